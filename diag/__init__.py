@@ -1,0 +1,1 @@
+"""The update diagnostic: compare one update computed at several depths."""

@@ -1,0 +1,222 @@
+"""Run configuration: frozen dataclasses loaded from TOML, overridable with
+`--set section.key=value`, serialised as JSON into every checkpoint, snapshot
+and results file.
+
+    [model]  ModelConfig (trainer/model.py)
+    [data]   DataConfig
+    [optim]  OptimConfig
+    [train]  TrainConfig
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from trainer.errors import InputError
+from trainer.model import ModelConfig
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "bios"
+    """'bios' (synthetic factual recall, generated from the seed), 'bin' (nanoGPT-style
+    token files train.bin / val.bin in `path`) or 'text' (a UTF-8 file, byte-level tokens)."""
+    path: str = ""
+    """Directory of train.bin/val.bin for 'bin'; the text file for 'text'; unused for 'bios'."""
+    bin_dtype: str = "uint16"
+    """Token dtype of .bin files: 'uint16' or 'uint32'."""
+    bios_people: int = 500
+    """Number of fictional people in the bioS task."""
+    seed: int = 0
+    """Seed of the data itself (the bioS population); batches also depend on train.seed and the step."""
+    eval_sequences: int = 64
+    """Held-out evaluation sequences carried by snapshots and used by `depthdiag eval`."""
+
+    def __post_init__(self) -> None:
+        if self.source not in ("bios", "bin", "text"):
+            raise ValueError(f"data.source must be 'bios', 'bin' or 'text', got {self.source!r}")
+        if self.source in ("bin", "text") and not self.path:
+            raise ValueError(f"data.path is required for data.source={self.source!r}")
+        if self.bin_dtype not in ("uint16", "uint32"):
+            raise ValueError(f"data.bin_dtype must be 'uint16' or 'uint32', got {self.bin_dtype!r}")
+        if self.bios_people < 1 or self.eval_sequences < 1:
+            raise ValueError("data.bios_people and data.eval_sequences must be >= 1")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    name: str = "adamw"
+    """'adamw' (torch.optim.AdamW) or 'sgd' (torch.optim.SGD with momentum)."""
+    lr: float = 2e-3
+    """Peak learning rate."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices (ndim >= 2); norms are not decayed."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    warmup: int = 100
+    """Linear warmup updates from 0 to lr."""
+    decay_fraction: float = 0.1
+    """Final fraction of updates over which the LR decays linearly to min_lr_ratio * lr."""
+    min_lr_ratio: float = 0.1
+    """LR at the last update, relative to lr."""
+
+    def __post_init__(self) -> None:
+        if self.name not in ("adamw", "sgd"):
+            raise ValueError(f"optim.name must be 'adamw' or 'sgd', got {self.name!r}")
+        if self.lr <= 0 or self.eps <= 0:
+            raise ValueError("optim.lr and optim.eps must be > 0")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1 and 0 <= self.momentum < 1):
+            raise ValueError("optim.beta1, optim.beta2 and optim.momentum must be in [0, 1)")
+        if self.weight_decay < 0 or self.grad_clip < 0 or self.warmup < 0:
+            raise ValueError("optim.weight_decay, optim.grad_clip and optim.warmup must be >= 0")
+        if not 0 <= self.decay_fraction <= 1 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError("optim.decay_fraction and optim.min_lr_ratio must be in [0, 1]")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    schedule: str = "fixed-first:k0=4,switch=0.8,finish=uniform:1-16"
+    """Depth schedule spec (see trainer/schedules.py), e.g. 'fixed:4', 'uniform:1-16'."""
+    updates: int = 1500
+    """Total optimizer updates."""
+    batch_size: int = 32
+    """Global batch size in sequences (split across ranks under torchrun)."""
+    seq_len: int = 64
+    """Tokens per training sequence (the model sees seq_len inputs and seq_len targets)."""
+    seed: int = 0
+    """Seed of initialisation, batch order and depth sampling."""
+    checkpoint_every: int = 500
+    """Write a resumable checkpoint every this many updates (and at the end); 0: only at the end."""
+    snapshot_uniform_updates: tuple[int, ...] = (0, 16, 64, 256)
+    """Write a diagnostic snapshot after this many updates of the finishing phase (0 = at the switch)."""
+    snapshot_batches: int = 64
+    """Training batches carried by each snapshot (the next ones the run would see)."""
+    precision: str = "fp32"
+    """'fp32' or 'bf16' (autocast)."""
+    device: str = "auto"
+    """'auto' (cuda when available), 'cpu' or 'cuda'."""
+    log_every: int = 10
+    """Write a metrics line every this many updates."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "snapshot_uniform_updates", tuple(self.snapshot_uniform_updates))
+        for name in ("updates", "batch_size", "seq_len", "snapshot_batches", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.checkpoint_every < 0 or any(n < 0 for n in self.snapshot_uniform_updates):
+            raise ValueError("train.checkpoint_every and train.snapshot_uniform_updates must be >= 0")
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(f"train.precision must be 'fp32' or 'bf16', got {self.precision!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"train.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+
+
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The looped transformer."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Where batches and the evaluation set come from."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Depth schedule, length, batch shape, checkpoints and snapshots."""
+
+    def __post_init__(self) -> None:
+        if self.train.seq_len > self.model.max_seq_len:
+            raise ValueError(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: asdict(getattr(self, name)) for name in SECTIONS}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], source: str = "config") -> "RunConfig":
+        """Build and validate; any problem raises InputError naming `source`."""
+        unknown = sorted(set(values) - set(SECTIONS))
+        if unknown:
+            raise InputError(f"{source}: unknown config section(s): {', '.join(unknown)}")
+        sections = {}
+        for name, klass in SECTIONS.items():
+            section = values.get(name, {})
+            if not isinstance(section, dict):
+                raise InputError(f"{source}: [{name}] must be a table")
+            known = {f.name for f in fields(klass)}
+            bad = sorted(set(section) - known)
+            if bad:
+                raise InputError(f"{source}: unknown key(s) in [{name}]: {', '.join(bad)}")
+            try:
+                sections[name] = klass(**section)
+            except (TypeError, ValueError) as err:
+                raise InputError(f"{source}: {err}") from None
+        try:
+            return cls(**sections)
+        except ValueError as err:
+            raise InputError(f"{source}: {err}") from None
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "config") -> "RunConfig":
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise InputError(f"{source}: config is not valid JSON ({err})") from None
+        return cls.from_dict(values, source)
+
+    def with_overrides(self, assignments: list[str] | tuple[str, ...]) -> "RunConfig":
+        """Apply `section.key=value` assignments; values parse as TOML literals
+        (numbers, booleans, arrays, quoted strings) and fall back to bare strings."""
+        values = self.to_dict()
+        for assignment in assignments:
+            key, sep, raw = assignment.partition("=")
+            section, dot, name = key.strip().partition(".")
+            if not sep or not dot or section not in SECTIONS:
+                raise InputError(f"--set {assignment!r}: expected section.key=value with section in "
+                                 f"{', '.join(SECTIONS)}")
+            if name not in values[section]:
+                raise InputError(f"--set {assignment!r}: unknown key {name!r} in [{section}]")
+            values[section][name] = _parse_literal(raw.strip())
+        return RunConfig.from_dict(values, source="--set")
+
+
+def _parse_literal(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a TOML run config; errors raise InputError naming the file."""
+    path = Path(path)
+    try:
+        values = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such config file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise InputError(f"{path}: cannot read config ({err})") from None
+    except tomllib.TOMLDecodeError as err:
+        raise InputError(f"{path}: invalid TOML ({err})") from None
+    config = RunConfig.from_dict(values, source=str(path))
+    return config.with_overrides(overrides) if overrides else config
+
+
+def replace_section(config: RunConfig, section: str, **changes: Any) -> RunConfig:
+    """A copy of `config` with some fields of one section changed (validated)."""
+    return replace(config, **{section: replace(getattr(config, section), **changes)})

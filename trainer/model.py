@@ -1,0 +1,302 @@
+"""Middle-loop looped transformer (Geiping et al. 2025; Saunshi et al. 2025).
+
+    input_ids [B, T]
+      -> embed                                   e0    [B, T, d]
+      -> prelude (n_prelude blocks)              e     [B, T, d]
+      -> state s_0 (zeros, or seeded noise)            [B, T, d]
+      -> K times: s_k = core(inject(s_{k-1}, e))       [B, T, d]
+      -> norm -> coda (n_coda blocks) -> norm -> lm head   logits [B, T, V]
+
+One shared core is applied K times (the depth), so one set of weights serves
+at any depth. `nll_by_depth` reads out after every requested iteration of a
+single pass, which is how every serving depth is evaluated at the cost of the
+deepest one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Iterable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+IGNORE_INDEX = -1
+"""Target value that `nll_by_depth` and the training loss skip."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    """Number of token ids the embedding and the head cover."""
+    max_seq_len: int = 256
+    """Longest sequence the rotary tables are built for."""
+    d_model: int = 128
+    """Residual stream width."""
+    n_heads: int = 4
+    """Attention heads per block; must divide d_model."""
+    n_prelude: int = 1
+    """Untied blocks applied once before the loop."""
+    n_core: int = 2
+    """Blocks in the shared recurrent core, applied K times."""
+    n_coda: int = 1
+    """Untied blocks applied once after the loop."""
+    d_ff: int = 0
+    """MLP hidden width; 0 picks 4*d_model (gelu) or the 8/3*d_model rounded to 64 of LLaMA (swiglu)."""
+    mlp: str = "gelu"
+    """'gelu' or 'swiglu'."""
+    norm: str = "pre"
+    """'pre' (RMSNorm before each sublayer) or 'sandwich' (also after, as in Huginn)."""
+    injection: str = "concat"
+    """'concat': state = adapter(cat(state, e)), a linear map 2d -> d; 'add': state + e."""
+    init_state: str = "zeros"
+    """'zeros' (deterministic) or 'noise' (Gaussian, seeded by state_noise_seed, so still deterministic)."""
+    state_noise_std: float = 1.0
+    """Standard deviation of the initial state when init_state='noise'."""
+    state_noise_seed: int = 0
+    """Seed of the initial-state noise: every call draws the same noise, so depths stay pure functions."""
+    backprop_depth: int = 0
+    """Backpropagate through only the last this-many iterations (Huginn uses 8); 0 means full backprop."""
+    tie_embeddings: bool = False
+    """Share the embedding matrix with the lm head."""
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    init_std: float = 0.02
+    """Standard deviation of linear and embedding weights at initialisation."""
+
+    def __post_init__(self) -> None:
+        positive = ("vocab_size", "max_seq_len", "d_model", "n_heads", "n_core")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("n_prelude", "n_coda", "d_ff", "backprop_depth"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"model.{name} must be >= 0, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model}")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError("model.d_model / model.n_heads must be even for rotary embeddings")
+        choices = {"mlp": ("gelu", "swiglu"), "norm": ("pre", "sandwich"),
+                   "injection": ("concat", "add"), "init_state": ("zeros", "noise")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"model.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.state_noise_std < 0 or self.init_std <= 0 or self.norm_eps <= 0:
+            raise ValueError("model.state_noise_std must be >= 0; init_std and norm_eps > 0")
+
+    @property
+    def ff_width(self) -> int:
+        """The MLP hidden width actually used."""
+        if self.d_ff:
+            return self.d_ff
+        if self.mlp == "gelu":
+            return 4 * self.d_model
+        return 64 * math.ceil(8 * self.d_model / 3 / 64)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "ModelConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown model config keys: {', '.join(unknown)}")
+        return cls(**values)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding tables, [max_seq_len, head_dim/2] each."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, base: float = 10000.0):
+        super().__init__()
+        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+        # Non-persistent: derived from the config, so never part of a checkpoint.
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [B, H, T, Dh]
+        T = x.shape[-2]
+        cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        B, T, d = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        q, k = rotary(q), rotary(k)  # [B, H, T, Dh]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.swiglu = cfg.mlp == "swiglu"
+        width = cfg.ff_width
+        self.up = nn.Linear(cfg.d_model, width, bias=False)
+        self.gate = nn.Linear(cfg.d_model, width, bias=False) if self.swiglu else None
+        self.down = nn.Linear(width, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp = MLP(cfg)
+        sandwich = cfg.norm == "sandwich"
+        self.attn_post_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps) if sandwich else nn.Identity()
+        self.mlp_post_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps) if sandwich else nn.Identity()
+
+    def forward(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        x = x + self.attn_post_norm(self.attn(self.attn_norm(x), rotary))
+        return x + self.mlp_post_norm(self.mlp(self.mlp_norm(x)))
+
+
+class LoopedTransformer(nn.Module):
+    """Prelude, a shared core applied `depth` times, coda. See the module docstring."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = cfg = config
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.prelude = nn.ModuleList(Block(cfg) for _ in range(cfg.n_prelude))
+        self.adapter = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=False) if cfg.injection == "concat" else None
+        self.core = nn.ModuleList(Block(cfg) for _ in range(cfg.n_core))
+        self.loop_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.coda = nn.ModuleList(Block(cfg) for _ in range(cfg.n_coda))
+        self.final_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg.d_model // cfg.n_heads, cfg.max_seq_len)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        cfg = self.config
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=cfg.init_std)
+            elif isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+        # GPT-2's scaled init of residual projections, counting each block once: scaling by
+        # the applied depth would make the initialisation depend on the schedule.
+        n_blocks = cfg.n_prelude + cfg.n_core + cfg.n_coda
+        for name, p in self.named_parameters():
+            if name.endswith(("attn.proj.weight", "mlp.down.weight")):
+                nn.init.normal_(p, std=cfg.init_std / math.sqrt(2 * n_blocks))
+        if self.adapter is not None:
+            # adapter(cat(state, e)) = e at initialisation: with the zero initial state the
+            # first iteration sees exactly the prelude output, and the state path is learned.
+            d = cfg.d_model
+            with torch.no_grad():
+                self.adapter.weight.zero_()
+                self.adapter.weight[:, d:].copy_(torch.eye(d))
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+
+    # --- the pass ---------------------------------------------------------------------------
+
+    def _prelude(self, input_ids: torch.Tensor) -> torch.Tensor:
+        B, T = input_ids.shape
+        if T > self.config.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.config.max_seq_len}")
+        e = self.embed(input_ids)  # [B, T, d]
+        for block in self.prelude:
+            e = block(e, self.rotary)
+        return e
+
+    def _initial_state(self, e: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        if cfg.init_state == "zeros":
+            return torch.zeros_like(e)
+        # A fixed generator per call: the same noise every time, so the output at every
+        # depth stays a pure function of the weights and the input.
+        gen = torch.Generator(device="cpu").manual_seed(cfg.state_noise_seed)
+        noise = torch.randn(e.shape, generator=gen, dtype=torch.float32)
+        return (cfg.state_noise_std * noise).to(device=e.device, dtype=e.dtype)
+
+    def _iterate(self, state: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        if self.adapter is not None:
+            x = self.adapter(torch.cat((state, e), dim=-1))
+        else:
+            x = state + e
+        for block in self.core:
+            x = block(x, self.rotary)
+        return x
+
+    def _readout(self, state: torch.Tensor) -> torch.Tensor:
+        x = self.loop_norm(state)
+        for block in self.coda:
+            x = block(x, self.rotary)
+        return self.head(self.final_norm(x))  # [B, T, V]
+
+    def _states(self, input_ids: torch.Tensor, depth: int) -> Iterable[tuple[int, torch.Tensor]]:
+        """Yield (k, s_k) for k = 1..depth. Truncated backprop runs the first
+        depth - backprop_depth iterations without autograd, as Huginn does."""
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
+            raise ValueError(f"depth must be a positive integer, got {depth!r}")
+        e = self._prelude(input_ids)
+        state = self._initial_state(e)
+        no_grad_until = depth - self.config.backprop_depth if self.config.backprop_depth else 0
+        for k in range(1, depth + 1):
+            if k <= no_grad_until:
+                with torch.no_grad():
+                    state = self._iterate(state, e)
+            else:
+                state = self._iterate(state, e)
+            yield k, state
+
+    def forward(self, input_ids: torch.Tensor, depth: int) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, V] after `depth` core iterations."""
+        for _, state in self._states(input_ids, depth):
+            pass
+        return self._readout(state)
+
+    def nll_by_depth(self, input_ids: torch.Tensor, targets: torch.Tensor,
+                     depths: Sequence[int]) -> torch.Tensor:
+        """Mean token NLL at every depth in `depths` from one pass of max(depths)
+        iterations; returns Tensor[len(depths)] (float32) in the order given.
+        Targets equal to IGNORE_INDEX are skipped."""
+        depths = [int(s) for s in depths]
+        if not depths:
+            raise ValueError("depths must not be empty")
+        wanted = set(depths)
+        nll: dict[int, torch.Tensor] = {}
+        for k, state in self._states(input_ids, max(depths)):
+            if k in wanted:
+                logits = self._readout(state)
+                nll[k] = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                                         ignore_index=IGNORE_INDEX)
+        return torch.stack([nll[s] for s in depths])
+
+    # --- bookkeeping ------------------------------------------------------------------------
+
+    def parameter_groups(self) -> dict[str, int]:
+        """Parameter counts by role: embedding, prelude, adapter, core, coda, norms, head.
+        The head is counted separately even when tied."""
+        counts = {"embedding": self.embed.weight.numel(),
+                  "prelude": sum(p.numel() for p in self.prelude.parameters()),
+                  "adapter": self.adapter.weight.numel() if self.adapter is not None else 0,
+                  "core": sum(p.numel() for p in self.core.parameters()),
+                  "coda": sum(p.numel() for p in self.coda.parameters()),
+                  "norms": self.loop_norm.weight.numel() + self.final_norm.weight.numel(),
+                  "head": self.head.weight.numel()}
+        return counts
