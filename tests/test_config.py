@@ -1,0 +1,44 @@
+import pytest
+
+from trainer.config import RunConfig, load_config
+from trainer.errors import InputError
+
+
+def test_tiny_config_round_trips_through_json():
+    config = load_config("configs/tiny.toml")
+    assert RunConfig.from_json(config.to_json()) == config
+
+
+def test_overrides_parse_toml_literals():
+    config = load_config("configs/tiny.toml", ["train.updates=12", "train.schedule=fixed:4",
+                                               "train.snapshot_uniform_updates=[0, 4]", "model.d_model=64"])
+    assert config.train.updates == 12
+    assert config.train.schedule == "fixed:4"
+    assert config.train.snapshot_uniform_updates == (0, 4)
+    assert config.model.d_model == 64
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[model]\nwidth = 3\n", "unknown key"),
+    ("[trainer]\nupdates = 3\n", "unknown config section"),
+    ("[model]\nd_model = 30\nn_heads = 4\n", "divide"),
+    ("[train]\nseq_len = 999\n", "max_seq_len"),
+    ("[model\n", "invalid TOML"),
+])
+def test_bad_config_names_the_file(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(InputError, match=message) as err:
+        load_config(path)
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(InputError, match="no such config file"):
+        load_config(tmp_path / "absent.toml")
+
+
+@pytest.mark.parametrize("assignment", ["updates=3", "train.nope=1", "nosection.x=1"])
+def test_bad_override(assignment):
+    with pytest.raises(InputError):
+        load_config("configs/tiny.toml", [assignment])
