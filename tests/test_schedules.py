@@ -1,0 +1,181 @@
+"""Depth schedules: parsing, purity, and empirical distributions against their definitions."""
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from trainer.errors import InputError
+from trainer.schedules import parse_schedule
+
+ALPHA = 1e-3  # goodness-of-fit tests use fixed seeds, so a pass is reproducible
+
+
+def histogram(depths, max_depth):
+    return np.bincount(np.asarray(depths), minlength=max_depth + 1)[1:]  # [max_depth], index k-1
+
+
+def chi_square_p(observed, probabilities):
+    """Pearson chi-square p-value, pooling cells with expected count < 5 into one."""
+    observed = np.asarray(observed, dtype=float)
+    expected = np.asarray(probabilities, dtype=float) * observed.sum()
+    small = expected < 5
+    if small.any():
+        observed = np.append(observed[~small], observed[small].sum())
+        expected = np.append(expected[~small], expected[small].sum())
+    return stats.chisquare(observed, expected).pvalue
+
+
+def depths_of(schedule, steps):
+    return [schedule.depth_at(step) for step in steps]
+
+
+def as_vector(distribution, max_depth):
+    return np.array([distribution.get(k, 0.0) for k in range(1, max_depth + 1)])
+
+
+# --- parsing --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec,canonical", [
+    ("fixed:4", "fixed:4"),
+    ("uniform:1-16", "uniform:1-16"),
+    ("uniform", "uniform:1-16"),
+    ("pln", "pln:mean=8,sigma=0.5,max=16"),
+    ("pln:max=32,mean=4.5", "pln:mean=4.5,sigma=0.5,max=32"),
+    ("progressive:mean=8,warmup=0.75,shape=1-sqrt", "progressive:mean=8,sigma=0.5,max=16,warmup=0.75,shape=1-sqrt"),
+    ("progressive:shape=linear", "progressive:mean=8,sigma=0.5,max=16,warmup=0.75,shape=linear"),
+    ("fixed-first", "fixed-first:k0=4,switch=0.8,finish=uniform:1-16"),
+    ("fixed-first:k0=2,switch=0.67,finish=pln:mean=8,sigma=0.5,max=16",
+     "fixed-first:k0=2,switch=0.67,finish=pln:mean=8,sigma=0.5,max=16"),
+])
+def test_spec_round_trips_through_its_canonical_form(spec, canonical):
+    schedule = parse_schedule(spec, seed=0, total_updates=100)
+    assert schedule.spec == canonical
+    assert parse_schedule(canonical, seed=0, total_updates=100) == schedule
+
+
+@pytest.mark.parametrize("spec", [
+    "fixed:0", "fixed", "fixed:x", "uniform:5-2", "uniform:0-4", "uniform:3",
+    "fixed-first:switch=1.5", "fixed-first:k0=0", "fixed-first:k0=4,switch=0.8,finish=fixed:4",
+    "fixed-first:k0=4,finish=uniform:1-16,switch=0.5", "pln:mean=-1", "pln:sigma=nan", "pln:max=0",
+    "pln:foo=1", "pln:mean=8,mean=9", "progressive:shape=cubic", "progressive:warmup=2",
+    "progressive:mean=0.5", "geometric:3", "",
+])
+def test_bad_specs_raise_one_line_input_errors(spec):
+    with pytest.raises(InputError) as err:
+        parse_schedule(spec, seed=0, total_updates=100)
+    message = str(err.value)
+    assert message.startswith(f"schedule {spec!r}: ") and "\n" not in message
+
+
+# --- purity ---------------------------------------------------------------------------------
+
+SPECS = ["uniform:1-16", "pln:mean=8,sigma=0.5,max=16", "progressive:mean=8,warmup=0.75",
+         "fixed-first:k0=4,switch=0.5,finish=uniform:1-16"]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_depths_are_pure_in_seed_and_step(spec):
+    steps = range(200)
+    forward = depths_of(parse_schedule(spec, seed=7, total_updates=200), steps)
+    fresh = parse_schedule(spec, seed=7, total_updates=200)
+    backward = [fresh.depth_at(step) for step in reversed(steps)][::-1]
+    assert forward == backward
+    other_seed = depths_of(parse_schedule(spec, seed=8, total_updates=200), steps)
+    assert forward != other_seed
+
+
+# --- distributions --------------------------------------------------------------------------
+
+def test_fixed_is_constant():
+    schedule = parse_schedule("fixed:5", seed=0, total_updates=50)
+    assert set(depths_of(schedule, range(50))) == {5}
+    assert schedule.depth_distribution(3) == {5: 1.0}
+
+
+def test_uniform_matches_its_distribution():
+    schedule = parse_schedule("uniform:3-9", seed=1, total_updates=7000)
+    counts = histogram(depths_of(schedule, range(7000)), 9)
+    assert counts[:2].sum() == 0
+    assert chi_square_p(counts[2:], [1 / 7] * 7) > ALPHA
+    assert schedule.depth_distribution(11) == pytest.approx({k: 1 / 7 for k in range(3, 10)})
+
+
+def pln_reference_sample(mean, sigma, max_depth, n, seed):
+    """The DESIGN.md formula, drawn independently of the schedule's code."""
+    rng = np.random.default_rng(seed)
+    tau = rng.normal(math.log(mean) - sigma**2 / 2, sigma, size=n)
+    return np.minimum(rng.poisson(np.exp(tau)) + 1, max_depth)
+
+
+@pytest.mark.parametrize("mean,sigma,max_depth", [(8, 0.5, 16), (3, 1.0, 12), (20, 0.3, 16)])
+def test_pln_distribution_matches_the_formula_and_its_samples(mean, sigma, max_depth):
+    schedule = parse_schedule(f"pln:mean={mean},sigma={sigma},max={max_depth}", seed=2, total_updates=6000)
+    exact = as_vector(schedule.depth_distribution(0), max_depth)
+    assert exact.sum() == pytest.approx(1.0)
+    reference = histogram(pln_reference_sample(mean, sigma, max_depth, 200_000, seed=99), max_depth)
+    assert np.abs(exact - reference / reference.sum()).max() < 0.005
+    sampled = histogram(depths_of(schedule, range(6000)), max_depth)
+    assert chi_square_p(sampled, exact) > ALPHA
+
+
+def test_unclipped_pln_mean_is_mean_plus_one():
+    # E[Poisson(e^tau)] = E[e^tau] = mean, the identity the tau offset -sigma^2/2 is there for.
+    schedule = parse_schedule("pln:mean=8,sigma=0.5,max=200", seed=0, total_updates=10)
+    distribution = schedule.depth_distribution(0)
+    assert sum(k * p for k, p in distribution.items()) == pytest.approx(9.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("shape", ["linear", "1-sqrt"])
+def test_progressive_mean_curve(shape):
+    total, warmup, mean = 1000, 0.75, 8.0
+    schedule = parse_schedule(f"progressive:mean={mean},warmup={warmup},shape={shape}", seed=0, total_updates=total)
+
+    def curve(step):
+        u = min(step / (warmup * total), 1.0)
+        return 1 + (mean - 1) * (u if shape == "linear" else 1 - math.sqrt(1 - u))
+
+    for step in (0, 100, 375, 600, 749, 750, 999):
+        assert schedule.pln_mean_at(step) == pytest.approx(curve(step))
+    assert schedule.pln_mean_at(0) == 1.0 and schedule.pln_mean_at(900) == mean
+    pln = parse_schedule(f"pln:mean={curve(375)},sigma=0.5,max=16", seed=0, total_updates=1)
+    assert schedule.depth_distribution(375) == pytest.approx(pln.depth_distribution(0))
+
+
+def test_progressive_samples_follow_the_rising_mean():
+    total = 4000
+    schedule = parse_schedule("progressive:mean=8,warmup=0.75,shape=linear", seed=4, total_updates=total)
+    depths = np.array(depths_of(schedule, range(total)))
+    for start in (0, 1000, 3200):
+        window = range(start, start + 400)
+        expected = np.mean([sum(k * p for k, p in schedule.depth_distribution(s).items()) for s in window])
+        variance = np.mean([sum(k * k * p for k, p in schedule.depth_distribution(s).items()) for s in window])
+        stderr = math.sqrt((variance - expected**2) / len(window))
+        assert abs(depths[start:start + 400].mean() - expected) < 4 * stderr
+    early, late = depths[:400].mean(), depths[-400:].mean()
+    assert early < 3 < 8 < late
+
+
+@pytest.mark.parametrize("switch,total", [(0.8, 1500), (0.67, 4800), (0.5, 5), (0.5, 7), (0.0, 10), (1.0, 10)])
+def test_fixed_first_switches_at_exactly_round_switch_times_updates(switch, total):
+    # k0 outside the finishing range makes the fixed phase visible in every draw.
+    schedule = parse_schedule(f"fixed-first:k0=17,switch={switch},finish=uniform:1-16",
+                              seed=0, total_updates=total)
+    expected = round(switch * total)
+    assert schedule.switch_step == expected
+    fixed = [step for step in range(total) if schedule.depth_at(step) == 17]
+    assert fixed == list(range(expected))
+    if expected < total:
+        assert schedule.depth_distribution(expected) == pytest.approx({k: 1 / 16 for k in range(1, 17)})
+
+
+def test_fixed_first_finish_uses_the_finish_schedule_draws():
+    finish = parse_schedule("pln:mean=6,sigma=0.5,max=16", seed=5, total_updates=300)
+    schedule = parse_schedule("fixed-first:k0=4,switch=0.5,finish=pln:mean=6,sigma=0.5,max=16",
+                              seed=5, total_updates=300)
+    assert depths_of(schedule, range(150, 300)) == depths_of(finish, range(150, 300))
+    average = schedule.average_distribution()
+    expected = {k: 0.5 * p for k, p in finish.depth_distribution(0).items()}
+    expected[4] += 0.5
+    assert average == pytest.approx(expected)
