@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -270,22 +270,25 @@ class LoopedTransformer(nn.Module):
             pass
         return self._readout(state)
 
+    def logits_by_depth(self, input_ids: torch.Tensor,
+                        depths: Sequence[int]) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yield (s, logits [B, T, V]) for each s in sorted(set(depths)) from one pass
+        of max(depths) iterations, reading out after each requested iteration."""
+        wanted = sorted({int(s) for s in depths})
+        if not wanted:
+            raise ValueError("depths must not be empty")
+        for k, state in self._states(input_ids, wanted[-1]):
+            if k in wanted:
+                yield k, self._readout(state)
+
     def nll_by_depth(self, input_ids: torch.Tensor, targets: torch.Tensor,
                      depths: Sequence[int]) -> torch.Tensor:
         """Mean token NLL at every depth in `depths` from one pass of max(depths)
         iterations; returns Tensor[len(depths)] (float32) in the order given.
         Targets equal to IGNORE_INDEX are skipped."""
-        depths = [int(s) for s in depths]
-        if not depths:
-            raise ValueError("depths must not be empty")
-        wanted = set(depths)
-        nll: dict[int, torch.Tensor] = {}
-        for k, state in self._states(input_ids, max(depths)):
-            if k in wanted:
-                logits = self._readout(state)
-                nll[k] = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                                         ignore_index=IGNORE_INDEX)
-        return torch.stack([nll[s] for s in depths])
+        nll = {s: F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+               for s, logits in self.logits_by_depth(input_ids, depths)}
+        return torch.stack([nll[int(s)] for s in depths])
 
     # --- bookkeeping ------------------------------------------------------------------------
 

@@ -1,0 +1,228 @@
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from trainer.bios import (ATTRIBUTES, SEP, BiosSource, BiosSpec, logits_by_depth, recall_bits,
+                          score_recall)
+from trainer.config import load_config
+from trainer.data import TokenSource, build_source
+from trainer.model import LoopedTransformer, ModelConfig
+
+CITY, EMPLOYER = ATTRIBUTES.index("birth city"), ATTRIBUTES.index("employer")
+
+
+@pytest.fixture(scope="module")
+def source() -> BiosSource:
+    return BiosSource.generate(people=60, seed=3)
+
+
+def test_configured_cardinalities_carry_the_papers_bits_per_person():
+    spec = BiosSpec()
+    bits = sum(math.log2(c) for c in spec.cardinalities)
+    assert bits == pytest.approx(33.39, abs=0.005)
+    assert spec.bits_per_person == pytest.approx(bits)
+
+
+def test_tiny_config_vocabulary_fits_the_model():
+    config = load_config("configs/tiny.toml")
+    source = build_source(config.data)
+    assert isinstance(source, TokenSource)
+    assert source.people == config.data.bios_people
+    assert source.vocab_size <= config.model.vocab_size
+    tokens = torch.cat([source.batch(0, 0, 32, 64), source.eval_tokens(8, 64)])
+    assert int(tokens.min()) >= 0 and int(tokens.max()) < source.vocab_size
+
+
+def expected_bio(source: BiosSource, person: int, template: int, order) -> list[int]:
+    """Independent rendering: SEP, name, then (relation, value) in `order`."""
+    tokens = [SEP, *source.names[person]]
+    for attribute in order:
+        spelling = source.value_spellings[attribute][source.values[person, attribute]]
+        tokens += [source.spec.relation_token(template, attribute), *spelling]
+    return [int(t) for t in tokens]
+
+
+def test_sequences_follow_the_appendix_tables(source):
+    spec = source.spec
+    person = 7
+    for template in range(spec.templates):
+        assert source.training_sequence(person, template).tolist() == \
+            expected_bio(source, person, template, spec.training_orders[template])
+        assert source.evaluation_sequence(person, template).tolist() == \
+            expected_bio(source, person, template, spec.evaluation_orders[template])
+
+    # Table 1: training presents the employer before the birth city, evaluation the birth
+    # city first; names and the birth city's value are several tokens.
+    training = source.describe(source.training_sequence(person, 0))
+    evaluation = source.describe(source.evaluation_sequence(person, 0))
+    name = r"\[SEP\] N\d+ N\d+ N\d+"
+    assert re.match(name + r" \[employer\] V\d+ V\d+ \[birth city\] V\d+ V\d+ ", training)
+    assert re.match(name + r" \[birth city\] V\d+ V\d+ \[employer\] V\d+ V\d+ ", evaluation)
+
+    prompt, answer = source.evaluation_prompt(person, CITY, 0)
+    city = source.value_spellings[CITY][source.values[person, CITY]]
+    assert answer.tolist() == city.tolist() and len(answer) >= 2
+    assert prompt.tolist() == [SEP, *source.names[person].tolist(), spec.relation_token(0, CITY)]
+    # the same fact sits elsewhere in the training sequence, followed by the same answer
+    training_tokens = source.training_sequence(person, 0).tolist()
+    at = training_tokens.index(spec.relation_token(0, CITY))
+    assert training_tokens[at + 1:at + 1 + len(answer)] == answer.tolist()
+    assert training_tokens[:len(prompt)] != prompt.tolist()
+
+
+def test_templates_differ_in_order_and_wording():
+    spec = BiosSpec()
+    orders = spec.training_orders + spec.evaluation_orders
+    assert len(set(orders)) == 2 * spec.templates == 10
+    relations = {spec.relation_token(t, a) for t in range(spec.templates) for a in range(len(ATTRIBUTES))}
+    assert len(relations) == spec.templates * len(ATTRIBUTES)
+    with pytest.raises(ValueError, match="differ"):
+        BiosSpec(evaluation_orders=(spec.training_orders[0],) + spec.evaluation_orders[1:])
+    with pytest.raises(ValueError, match="do not fit"):
+        BiosSpec(value_vocab=16)
+
+
+def test_population_is_pure_in_the_seed_and_well_formed(source):
+    again = BiosSource.generate(people=60, seed=3)
+    other = BiosSource.generate(people=60, seed=4)
+    assert np.array_equal(source.facts, again.facts)
+    assert not np.array_equal(source.facts, other.facts)
+    assert len({tuple(n) for n in source.names}) == source.people
+    assert source.names.shape[1] == 3
+    for attribute, cardinality in enumerate(source.spec.cardinalities):
+        spellings = source.value_spellings[attribute]
+        assert len({tuple(s) for s in spellings}) == cardinality
+        assert 0 <= source.values[:, attribute].min() and source.values[:, attribute].max() < cardinality
+
+
+def split_bios(row: list[int]) -> list[list[int]]:
+    bios, current = [], []
+    for token in row:
+        if token == SEP and current:
+            bios.append(current)
+            current = []
+        current.append(token)
+    return bios + [current]
+
+
+def fact_order(source: BiosSource, bio: list[int]) -> tuple[tuple[int, ...], set[int]]:
+    """(attribute order, set of wordings) from the relation tokens of a complete bio."""
+    relations = [t - 1 for t in bio if SEP < t < source.spec.first_name_token]
+    return tuple(r % len(ATTRIBUTES) for r in relations), {r // len(ATTRIBUTES) for r in relations}
+
+
+def test_batches_pack_training_bios_and_eval_tokens_pack_evaluation_bios(source):
+    spec = source.spec
+    for tokens, orders in ((source.batch(5, 2, 8, 64), spec.training_orders),
+                           (source.eval_tokens(8, 64), spec.evaluation_orders)):
+        assert tokens.shape == (8, 65) and tokens.dtype == torch.int64
+        for row in tokens.tolist():
+            assert row[0] == SEP
+            complete = [bio for bio in split_bios(row) if len(bio) == spec.bio_length]
+            assert len(complete) == 65 // spec.bio_length
+            for bio in complete:
+                order, wordings = fact_order(source, bio)
+                (wording,) = wordings
+                assert order == orders[wording]
+    assert torch.equal(source.eval_tokens(8, 64), BiosSource.generate(people=60, seed=3).eval_tokens(8, 64))
+
+
+def test_batch_is_pure_in_seed_and_step_and_ranks_concatenate(source):
+    batch = source.batch(1, 10, 8, 64)
+    assert torch.equal(batch, source.batch(1, 10, 8, 64))
+    assert not torch.equal(batch, source.batch(1, 11, 8, 64))
+    assert not torch.equal(batch, source.batch(2, 10, 8, 64))
+    for world_size in (2, 4):
+        slices = [source.batch(1, 10, 8, 64, rank=r, world_size=world_size) for r in range(world_size)]
+        assert torch.equal(torch.cat(slices), batch)
+    with pytest.raises(ValueError, match="multiple"):
+        source.batch(1, 10, 6, 64, rank=0, world_size=4)
+
+
+def test_score_recall_matches_a_loop_reference():
+    rng = np.random.default_rng(0)
+    cardinalities = (200, 28, 12, 100, 25, 67)
+    correct = rng.random((40, 6, 5)) < 0.8
+    reference = 0.0
+    for person in range(40):
+        for attribute in range(6):
+            if sum(correct[person, attribute]) >= 4:
+                reference += math.log2(cardinalities[attribute])
+    assert score_recall(correct, cardinalities) == pytest.approx(reference / 40)
+    assert score_recall(np.ones((3, 6, 5), bool), cardinalities) == pytest.approx(33.39, abs=0.005)
+    four_of_five = np.ones((3, 6, 5), bool)
+    four_of_five[..., 0] = False
+    assert score_recall(four_of_five, cardinalities) == pytest.approx(score_recall(np.ones((3, 6, 5)), cardinalities))
+    four_of_five[..., 1] = False
+    assert score_recall(four_of_five, cardinalities) == 0.0
+
+
+class AnswerKeyModel(torch.nn.Module):
+    """Predicts each next token as given, except value tokens, which it reads from an
+    answer key chosen by depth; `wrong` lists (attribute, wording) pairs it always misses."""
+
+    def __init__(self, source: BiosSource, keys: dict[int, np.ndarray], wrong=()):
+        super().__init__()
+        self.source, self.keys, self.wrong = source, keys, set(wrong)
+        self.person_of = {tuple(name): p for p, name in enumerate(source.names.tolist())}
+
+    def forward(self, input_ids: torch.Tensor, depth: int) -> torch.Tensor:
+        spec, key = self.source.spec, self.keys[depth]
+        predicted = input_ids.roll(-1, dims=1).clone()  # [B, T]
+        for row, tokens in enumerate(input_ids.tolist()):
+            person = self.person_of[tuple(tokens[1:1 + spec.name_length])]
+            for i, token in enumerate(tokens):
+                if SEP < token < spec.first_name_token:
+                    wording, attribute = divmod(token - 1, len(ATTRIBUTES))
+                    value = key[person, attribute] + ((attribute, wording) in self.wrong)
+                    spellings = self.source.value_spellings[attribute]
+                    spelling = spellings[value % len(spellings)]
+                    predicted[row, i:i + len(spelling)] = torch.as_tensor(spelling)
+        return torch.nn.functional.one_hot(predicted, self.source.vocab_size).float()  # [B, T, V]
+
+
+def test_recall_is_full_on_the_true_key_and_zero_on_a_shuffled_key(source):
+    cardinalities = np.array(source.spec.cardinalities)
+    offsets = np.random.default_rng(1).integers(1, cardinalities, size=(source.people, len(ATTRIBUTES)))
+    shuffled = (source.values + offsets) % cardinalities  # every person's every value wrong
+    model = AnswerKeyModel(source, {1: shuffled, 2: source.values})
+    bits = recall_bits(model, source, [2, 1], batch_size=64)
+    assert set(bits) == {1, 2}
+    assert bits[2] == pytest.approx(source.spec.bits_per_person)
+    assert bits[1] == 0.0
+
+
+def test_recall_needs_four_of_five_templates(source):
+    # birth city missed on one wording (still recalled), employer on two (lost)
+    model = AnswerKeyModel(source, {3: source.values}, wrong=[(CITY, 0), (EMPLOYER, 0), (EMPLOYER, 3)])
+    bits = recall_bits(model, source, [3])
+    assert bits[3] == pytest.approx(source.spec.bits_per_person - math.log2(source.spec.cardinalities[EMPLOYER]))
+
+
+class SeparateForwards(torch.nn.Module):
+    """Hides the looped model's one-pass readout so recall falls back to one forward per depth."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, depth):
+        return self.model(input_ids, depth=depth)
+
+
+def test_one_pass_recall_agrees_with_separate_forwards():
+    source = BiosSource.generate(people=12, seed=0)
+    torch.manual_seed(0)
+    model = LoopedTransformer(ModelConfig(vocab_size=source.vocab_size, max_seq_len=32, d_model=32, n_heads=2))
+    ids = source.recall_set()[0][:16]
+    depths = [1, 3, 4]
+    for depth, logits in logits_by_depth(model, ids, depths):
+        torch.testing.assert_close(logits, model(ids, depth=depth))
+    model.train()
+    bits = recall_bits(model, source, depths)
+    assert model.training
+    assert bits == recall_bits(SeparateForwards(model), source, depths)
+    assert all(0 <= b <= source.spec.bits_per_person for b in bits.values())

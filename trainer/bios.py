@@ -1,0 +1,331 @@
+"""The bioS synthetic factual-recall task (after Allen-Zhu and Li, 2023), generated
+in-process from a seed.
+
+Fictional people have six attributes (birth city, birth day, birth month,
+university, major, employer) drawn uniformly and independently, so a person
+carries sum(log2(cardinality)) bits: 33.39 with the default cardinalities.
+Names are several tokens (N17 N204 N6), values one to three (V3 V11); value
+spellings are distinct within an attribute and share one value vocabulary
+across attributes, so only the relation token says which attribute a value
+belongs to.
+
+A bio is `[SEP] name ([relation] value) x 6`. Template t fixes the order of
+the six facts and the wording of the relation tokens (template t's relation
+tokens are its own). Training bios use the training orders; evaluation uses
+the same people and wordings with the facts in other orders, so recall cannot
+come from memorised sequences (the paper's appendix tables 1-2):
+
+    training    [SEP] N17 N204 N6 [employer] V6 V10 [birth city] V3 V11 ...
+    evaluation  [SEP] N17 N204 N6 [birth city] ___ ___ [employer] V6 V10 ...
+    answer      V3 V11
+
+Recall: a fact counts when its whole value is produced exactly on at least 4
+of the 5 evaluation templates; recalled bits per person is the sum of
+log2(cardinality) over recalled facts, averaged over people. With teacher
+forcing, one pass over the full evaluation bio scores all six facts at once:
+a value is produced exactly by greedy decoding iff the argmax is right at
+every one of its tokens given the right earlier tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from trainer.data import batch_rng, rank_rows
+
+ATTRIBUTES = ("birth city", "birth day", "birth month", "university", "major", "employer")
+
+SEP = 0
+"""Starts every bio; rows of a batch pack several bios back to back."""
+
+_EVAL_STREAM = 1
+"""Generator stream of the evaluation set, apart from the population's stream 0."""
+
+
+@dataclass(frozen=True)
+class BiosSpec:
+    cardinalities: tuple[int, ...] = (200, 28, 12, 100, 25, 67)
+    """Possible values per attribute, in ATTRIBUTES order; log2 of their product is
+    33.39 bits per person, the paper's figure."""
+    value_lengths: tuple[int, ...] = (2, 1, 1, 3, 2, 2)
+    """Tokens per value, per attribute."""
+    name_length: int = 3
+    """Tokens per name."""
+    name_vocab: int = 100
+    """Distinct name tokens; names are distinct tuples of them."""
+    value_vocab: int = 64
+    """Distinct value tokens, shared by all attributes."""
+    training_orders: tuple[tuple[int, ...], ...] = ((5, 0, 1, 2, 3, 4), (1, 2, 0, 3, 4, 5), (3, 4, 5, 0, 1, 2),
+                                                    (0, 3, 4, 5, 2, 1), (4, 5, 3, 1, 2, 0))
+    """Fact order (attribute indices) of each training template."""
+    evaluation_orders: tuple[tuple[int, ...], ...] = ((0, 5, 1, 2, 3, 4), (2, 1, 4, 3, 5, 0), (5, 3, 0, 2, 4, 1),
+                                                      (1, 0, 2, 4, 5, 3), (3, 2, 5, 1, 0, 4))
+    """Fact order of each evaluation template; template t keeps training template t's
+    wording, and no evaluation order is a training order."""
+    recall_min_templates: int = 4
+    """A fact is recalled when answered exactly on at least this many evaluation templates."""
+
+    def __post_init__(self) -> None:
+        for name in ("cardinalities", "value_lengths", "training_orders", "evaluation_orders"):
+            object.__setattr__(self, name, tuple(tuple(v) if isinstance(v, (list, tuple)) else v
+                                                 for v in getattr(self, name)))
+        n = len(ATTRIBUTES)
+        if len(self.cardinalities) != n or len(self.value_lengths) != n:
+            raise ValueError(f"bioS needs {n} cardinalities and value lengths, one per attribute")
+        if min(self.cardinalities) < 2 or min(self.value_lengths) < 1:
+            raise ValueError("bioS cardinalities must be >= 2 and value lengths >= 1")
+        for attribute, cardinality, length in zip(ATTRIBUTES, self.cardinalities, self.value_lengths):
+            if self.value_vocab ** length < cardinality:
+                raise ValueError(f"bioS {attribute}: {cardinality} values do not fit in {length} token(s) "
+                                 f"of a {self.value_vocab}-token value vocabulary")
+        if self.name_length < 1 or self.name_vocab < 1:
+            raise ValueError("bioS name_length and name_vocab must be >= 1")
+        if len(self.training_orders) != len(self.evaluation_orders) or not self.training_orders:
+            raise ValueError("bioS needs as many evaluation orders as training orders (one per template)")
+        for order in self.training_orders + self.evaluation_orders:
+            if sorted(order) != list(range(n)):
+                raise ValueError(f"bioS template order {order} is not a permutation of 0..{n - 1}")
+        if set(self.training_orders) & set(self.evaluation_orders):
+            raise ValueError("bioS evaluation orders must differ from every training order")
+        if not 1 <= self.recall_min_templates <= self.templates:
+            raise ValueError(f"bioS recall_min_templates must be in [1, {self.templates}]")
+
+    @property
+    def templates(self) -> int:
+        return len(self.training_orders)
+
+    @property
+    def bits_per_person(self) -> float:
+        return float(sum(math.log2(c) for c in self.cardinalities))
+
+    @property
+    def bio_length(self) -> int:
+        """Tokens of one bio, SEP included (the same for every template)."""
+        return 1 + self.name_length + len(ATTRIBUTES) + sum(self.value_lengths)
+
+    # Token layout: SEP, relation tokens (template-major), name tokens, value tokens.
+    def relation_token(self, template: int, attribute: int) -> int:
+        return 1 + template * len(ATTRIBUTES) + attribute
+
+    @property
+    def first_name_token(self) -> int:
+        return 1 + self.templates * len(ATTRIBUTES)
+
+    @property
+    def first_value_token(self) -> int:
+        return self.first_name_token + self.name_vocab
+
+    @property
+    def vocab_size(self) -> int:
+        return self.first_value_token + self.value_vocab
+
+    def token_text(self, token: int) -> str:
+        """Readable form of a token: [SEP], [employer], [employer#2] (template 2's wording), N17, V3."""
+        if token == SEP:
+            return "[SEP]"
+        if token < self.first_name_token:
+            template, attribute = divmod(token - 1, len(ATTRIBUTES))
+            return f"[{ATTRIBUTES[attribute]}{f'#{template}' if template else ''}]"
+        if token < self.first_value_token:
+            return f"N{token - self.first_name_token}"
+        if token < self.vocab_size:
+            return f"V{token - self.first_value_token}"
+        raise ValueError(f"token {token} is outside the bioS vocabulary of {self.vocab_size}")
+
+    def layout(self, template: int, order: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """How to render a bio from a person's fact row (name tokens, then each
+        attribute's value tokens in ATTRIBUTES order): (source, owner), both int64
+        [bio_length]. source[i] >= 0 takes fact-row column source[i]; source[i] < 0
+        is the constant token -source[i] - 1. owner[i] is the attribute whose value
+        token sits at position i, or -1."""
+        value_start = np.cumsum((self.name_length,) + self.value_lengths)[:-1]
+        source = [-SEP - 1] + list(range(self.name_length))
+        owner = [-1] * (1 + self.name_length)
+        for attribute in order:
+            source.append(-self.relation_token(template, attribute) - 1)
+            owner.append(-1)
+            length = self.value_lengths[attribute]
+            source.extend(range(value_start[attribute], value_start[attribute] + length))
+            owner.extend([attribute] * length)
+        return np.array(source, dtype=np.int64), np.array(owner, dtype=np.int64)
+
+
+class BiosSource:
+    """A bioS population and its token streams; a TokenSource (trainer/data.py)."""
+
+    def __init__(self, spec: BiosSpec, names: np.ndarray, values: np.ndarray,
+                 value_spellings: tuple[np.ndarray, ...], seed: int):
+        self.spec = spec
+        self.names = names
+        """int64 [people, name_length]: each person's name tokens (distinct rows)."""
+        self.values = values
+        """int64 [people, attributes]: each person's value index per attribute."""
+        self.value_spellings = value_spellings
+        """Per attribute, int64 [cardinality, value_length]: the tokens of each value (distinct rows)."""
+        self.seed = seed
+        self.vocab_size = spec.vocab_size
+        self.facts = np.concatenate([names] + [value_spellings[a][values[:, a]] for a in range(len(ATTRIBUTES))],
+                                    axis=1)  # [people, name_length + sum(value_lengths)]
+        self._training = [spec.layout(t, order) for t, order in enumerate(spec.training_orders)]
+        self._evaluation = [spec.layout(t, order) for t, order in enumerate(spec.evaluation_orders)]
+
+    @classmethod
+    def generate(cls, people: int, seed: int, spec: BiosSpec | None = None) -> "BiosSource":
+        """`people` fictional people, a pure function of (people, seed, spec)."""
+        spec = spec or BiosSpec()
+        if people < 1 or people > spec.name_vocab ** spec.name_length:
+            raise ValueError(f"bioS people must be in [1, {spec.name_vocab ** spec.name_length}] "
+                             f"(distinct names), got {people}")
+        rng = np.random.Generator(np.random.PCG64([seed, 0]))
+        spellings = tuple(spec.first_value_token + _digits(rng.choice(spec.value_vocab ** length, cardinality,
+                                                                      replace=False), spec.value_vocab, length)
+                          for cardinality, length in zip(spec.cardinalities, spec.value_lengths))
+        name_codes = rng.choice(spec.name_vocab ** spec.name_length, people, replace=False)
+        names = spec.first_name_token + _digits(name_codes, spec.name_vocab, spec.name_length)
+        values = np.stack([rng.integers(0, c, size=people) for c in spec.cardinalities], axis=1)
+        return cls(spec, names, values, spellings, seed)
+
+    @property
+    def people(self) -> int:
+        return len(self.values)
+
+    # --- rendering ----------------------------------------------------------------------------
+
+    def _render(self, persons: np.ndarray, templates: np.ndarray,
+                layouts: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+        """int64 [n, bio_length]: bios of persons[i] with layouts[templates[i]]."""
+        source = np.stack([layout[0] for layout in layouts])[templates]  # [n, bio_length]
+        constant = source < 0
+        fact = np.take_along_axis(self.facts[persons], np.where(constant, 0, source), axis=1)
+        return np.where(constant, -source - 1, fact)
+
+    def training_sequence(self, person: int, template: int) -> np.ndarray:
+        """int64 [bio_length]: one training bio."""
+        return self._render(np.array([person]), np.array([template]), self._training)[0]
+
+    def evaluation_sequence(self, person: int, template: int) -> np.ndarray:
+        """int64 [bio_length]: one evaluation bio (facts in the evaluation order)."""
+        return self._render(np.array([person]), np.array([template]), self._evaluation)[0]
+
+    def evaluation_prompt(self, person: int, attribute: int, template: int) -> tuple[np.ndarray, np.ndarray]:
+        """(prompt, answer): the evaluation bio up to and including the probed relation
+        token, and the value tokens the model must produce."""
+        sequence = self.evaluation_sequence(person, template)
+        positions = np.flatnonzero(self._evaluation[template][1] == attribute)
+        return sequence[:positions[0]], sequence[positions]
+
+    def describe(self, tokens: Sequence[int]) -> str:
+        return " ".join(self.spec.token_text(int(t)) for t in tokens)
+
+    # --- TokenSource --------------------------------------------------------------------------
+
+    def _packed(self, rng: np.random.Generator, rows: int, keep: slice, seq_len: int,
+                layouts: list[tuple[np.ndarray, np.ndarray]]) -> torch.Tensor:
+        """Rows of random bios (random person and template) packed back to back,
+        cut to seq_len + 1 tokens; draws for all `rows`, renders rows[keep]."""
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        per_row = -(-(seq_len + 1) // self.spec.bio_length)
+        persons = rng.integers(0, self.people, size=(rows, per_row))[keep]
+        templates = rng.integers(0, self.spec.templates, size=(rows, per_row))[keep]
+        bios = self._render(persons.ravel(), templates.ravel(), layouts)  # [kept * per_row, bio_length]
+        return torch.from_numpy(bios.reshape(len(persons), -1)[:, :seq_len + 1])
+
+    def batch(self, seed: int, step: int, batch_size: int, seq_len: int, *,
+              rank: int = 0, world_size: int = 1) -> torch.Tensor:
+        keep = rank_rows(batch_size, rank, world_size)
+        return self._packed(batch_rng(seed, step), batch_size, keep, seq_len, self._training)
+
+    def eval_tokens(self, n: int, seq_len: int) -> torch.Tensor:
+        """Packed evaluation-order bios of the same people, fixed by the data seed."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        rng = np.random.Generator(np.random.PCG64([self.seed, _EVAL_STREAM]))
+        return self._packed(rng, n, slice(None), seq_len, self._evaluation)
+
+    # --- recall -------------------------------------------------------------------------------
+
+    def recall_set(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every (person, evaluation template) bio: tokens int64 [people * templates,
+        bio_length] (row p * templates + t) and owner int64 [people * templates,
+        bio_length] (the attribute each value token belongs to, -1 elsewhere)."""
+        templates = self.spec.templates
+        persons = np.repeat(np.arange(self.people), templates)
+        template_ids = np.tile(np.arange(templates), self.people)
+        owners = np.stack([layout[1] for layout in self._evaluation])[template_ids]
+        tokens = self._render(persons, template_ids, self._evaluation)
+        return torch.from_numpy(tokens), torch.from_numpy(owners)
+
+
+def _digits(codes: np.ndarray, base: int, length: int) -> np.ndarray:
+    """int64 [n, length]: base-`base` digits of codes, most significant first."""
+    powers = base ** np.arange(length - 1, -1, -1)
+    return (codes[:, None] // powers) % base
+
+
+def score_recall(correct: np.ndarray, cardinalities: Sequence[int], min_templates: int = 4) -> float:
+    """Recalled bits per person from exactness flags bool [people, attributes,
+    templates]: a fact is recalled when exact on >= min_templates templates and
+    is worth log2(cardinality) bits; the bits are averaged over people."""
+    correct = np.asarray(correct, dtype=bool)
+    if correct.ndim != 3 or correct.shape[1] != len(cardinalities):
+        raise ValueError(f"correct must be [people, {len(cardinalities)}, templates], got {correct.shape}")
+    recalled = correct.sum(axis=2) >= min_templates  # [people, attributes]
+    return float((recalled @ np.log2(np.asarray(cardinalities, dtype=np.float64))).mean())
+
+
+def exact_values(logits: torch.Tensor, tokens: torch.Tensor, owner: torch.Tensor, attributes: int) -> torch.Tensor:
+    """bool [rows, attributes]: whether the argmax of logits [rows, T, V] at every
+    value token of an attribute (owner [rows, T]) names the token tokens [rows, T]."""
+    wrong = logits[:, :-1].argmax(-1) != tokens[:, 1:]  # [rows, T-1]
+    bins = torch.zeros(len(tokens), attributes + 1, dtype=torch.int64, device=tokens.device)
+    bins.scatter_add_(1, owner[:, 1:] + 1, wrong.long())  # bin 0 collects non-value positions, ignored
+    return bins[:, 1:] == 0
+
+
+def logits_by_depth(model: torch.nn.Module, input_ids: torch.Tensor,
+                    depths: Sequence[int]) -> Iterator[tuple[int, torch.Tensor]]:
+    """(depth, logits [B, T, V]) for each depth in increasing order. A LoopedTransformer
+    reads out every wanted depth from one pass of max(depths) iterations (as
+    nll_by_depth does); other models get one forward per depth."""
+    wanted = sorted(set(int(d) for d in depths))
+    if hasattr(model, "logits_by_depth"):
+        yield from model.logits_by_depth(input_ids, wanted)
+        return
+    for depth in wanted:
+        yield depth, model(input_ids, depth=depth)
+
+
+@torch.no_grad()
+def recall_bits(model: torch.nn.Module, source: BiosSource, depths: Sequence[int], *,
+                device: str | torch.device = "cpu", batch_size: int = 512,
+                progress: bool = False) -> dict[int, float]:
+    """Recalled bits per person at each serving depth (greedy, teacher-forced; see
+    the module docstring). The model must already be on `device`; it is put in eval
+    mode and restored afterwards."""
+    spec = source.spec
+    depths = sorted(set(int(d) for d in depths))
+    if not depths:
+        raise ValueError("depths must not be empty")
+    tokens, owner = source.recall_set()
+    exact = torch.zeros(len(depths), len(tokens), len(ATTRIBUTES), dtype=torch.bool)
+    was_training = model.training
+    model.eval()
+    try:
+        for start in tqdm(range(0, len(tokens), batch_size), desc="recall", disable=not progress):
+            chunk = slice(start, start + batch_size)
+            ids, own = tokens[chunk].to(device), owner[chunk].to(device)
+            for i, (_, logits) in enumerate(logits_by_depth(model, ids, depths)):
+                exact[i, chunk] = exact_values(logits, ids, own, len(ATTRIBUTES)).cpu()
+    finally:
+        model.train(was_training)
+    # rows are person-major: [depths, people * templates, A] -> [depths, people, A, templates]
+    exact = exact.view(len(depths), source.people, spec.templates, len(ATTRIBUTES)).permute(0, 1, 3, 2).numpy()
+    return {depth: score_recall(exact[i], spec.cardinalities, spec.recall_min_templates)
+            for i, depth in enumerate(depths)}

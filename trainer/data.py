@@ -1,0 +1,186 @@
+"""Token sources: where training batches and the evaluation set come from.
+
+Every source answers two questions:
+
+- `batch(seed, step, batch_size, seq_len, rank=, world_size=)`: int64
+  [batch_size // world_size, seq_len + 1], a pure function of (seed, step) and
+  the data. Randomness is drawn for the whole global batch and each rank keeps
+  its contiguous slice of rows, so concatenating the ranks' slices in rank
+  order gives exactly the one-process batch; resume and every rank agree
+  without communication.
+- `eval_tokens(n, seq_len)`: int64 [n, seq_len + 1], a fixed evaluation set
+  that depends on the data config alone.
+
+Sources (DataConfig.source):
+
+- 'bin': nanoGPT-style `train.bin` / `val.bin` in `data.path`, flat token ids
+  as uint16 or uint32 (`data.bin_dtype`). Batches are random windows of
+  train.bin; the evaluation set is evenly spaced windows of val.bin.
+  vocab_size comes from a `meta.json` beside the files (`{"vocab_size": N}`)
+  when there is one; otherwise 65536 for uint16 (the dtype's range: finding
+  the true maximum would read the whole file) and max id + 1 for uint32 (one
+  pass over both files).
+- 'text': one UTF-8 file with byte-level tokens (vocab 256); the last 10% of
+  the bytes is held out for evaluation.
+- 'bios': the synthetic factual-recall task of trainer/bios.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from trainer.config import DataConfig
+from trainer.errors import InputError
+
+TEXT_HELD_OUT_FRACTION = 0.1
+"""Fraction of a text file's bytes (at its end) held out for evaluation."""
+
+BIN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+@runtime_checkable
+class TokenSource(Protocol):
+    vocab_size: int
+    """Token ids lie in [0, vocab_size)."""
+
+    def batch(self, seed: int, step: int, batch_size: int, seq_len: int, *,
+              rank: int = 0, world_size: int = 1) -> torch.Tensor:
+        """This rank's rows of the global training batch for (seed, step):
+        int64 [batch_size // world_size, seq_len + 1]."""
+        ...
+
+    def eval_tokens(self, n: int, seq_len: int) -> torch.Tensor:
+        """The fixed evaluation set: int64 [n, seq_len + 1]."""
+        ...
+
+
+def batch_rng(seed: int, step: int) -> np.random.Generator:
+    """The generator of one global batch: a pure function of (seed, step)."""
+    if seed < 0 or step < 0:
+        raise ValueError(f"seed and step must be >= 0, got seed={seed}, step={step}")
+    return np.random.Generator(np.random.PCG64([seed, step]))
+
+
+def rank_rows(batch_size: int, rank: int, world_size: int) -> slice:
+    """The contiguous rows of a global batch that belong to `rank`."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    if batch_size < 1 or batch_size % world_size:
+        raise ValueError(f"batch_size={batch_size} must be a positive multiple of world_size={world_size}")
+    per_rank = batch_size // world_size
+    return slice(rank * per_rank, (rank + 1) * per_rank)
+
+
+class WindowSource:
+    """Random windows of a flat training token array; evenly spaced windows of
+    a flat evaluation array. Shared by the 'bin' and 'text' sources."""
+
+    def __init__(self, train: np.ndarray, val: np.ndarray, vocab_size: int,
+                 train_origin: str, val_origin: str):
+        self.train = train
+        self.val = val
+        self.vocab_size = vocab_size
+        self.train_origin = train_origin
+        """Names the training tokens in error messages (a path, or 'path (first 90%)')."""
+        self.val_origin = val_origin
+
+    def batch(self, seed: int, step: int, batch_size: int, seq_len: int, *,
+              rank: int = 0, world_size: int = 1) -> torch.Tensor:
+        rows = rank_rows(batch_size, rank, world_size)
+        last_start = self._last_start(self.train, self.train_origin, seq_len)
+        starts = batch_rng(seed, step).integers(0, last_start + 1, size=batch_size)[rows]
+        return self._windows(self.train, starts, seq_len)
+
+    def eval_tokens(self, n: int, seq_len: int) -> torch.Tensor:
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        last_start = self._last_start(self.val, self.val_origin, seq_len)
+        starts = np.linspace(0, last_start, n).round().astype(np.int64)
+        return self._windows(self.val, starts, seq_len)
+
+    @staticmethod
+    def _last_start(tokens: np.ndarray, origin: str, seq_len: int) -> int:
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        if len(tokens) < seq_len + 1:
+            raise InputError(f"{origin}: {len(tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+        return len(tokens) - seq_len - 1
+
+    @staticmethod
+    def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> torch.Tensor:
+        index = starts[:, None] + np.arange(seq_len + 1)  # [rows, seq_len + 1]
+        return torch.from_numpy(tokens[index].astype(np.int64))
+
+
+def open_bin_source(directory: str | Path, bin_dtype: str = "uint16") -> WindowSource:
+    """train.bin / val.bin (and optionally meta.json) in `directory`."""
+    directory = Path(directory)
+    dtype = np.dtype(BIN_DTYPES[bin_dtype])
+    arrays = {}
+    for split in ("train", "val"):
+        path = directory / f"{split}.bin"
+        if not path.is_file():
+            raise InputError(f"{path}: no such token file (expected train.bin and val.bin)")
+        size = path.stat().st_size
+        if size % dtype.itemsize:
+            raise InputError(f"{path}: size {size} bytes is not a multiple of {dtype.itemsize} "
+                             f"({bin_dtype}); wrong data.bin_dtype?")
+        if size < 2 * dtype.itemsize:
+            raise InputError(f"{path}: fewer than 2 tokens")
+        arrays[split] = np.memmap(path, dtype=dtype, mode="r")
+    vocab_size = _bin_vocab_size(directory, bin_dtype, arrays)
+    return WindowSource(arrays["train"], arrays["val"], vocab_size,
+                        str(directory / "train.bin"), str(directory / "val.bin"))
+
+
+def _bin_vocab_size(directory: Path, bin_dtype: str, arrays: dict[str, np.ndarray]) -> int:
+    meta = directory / "meta.json"
+    dtype_range = int(np.iinfo(BIN_DTYPES[bin_dtype]).max) + 1
+    if meta.is_file():
+        try:
+            vocab_size = json.loads(meta.read_text(encoding="utf-8"))["vocab_size"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
+            raise InputError(f"{meta}: expected JSON with an integer vocab_size ({err!r})") from None
+        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or not 1 <= vocab_size <= dtype_range:
+            raise InputError(f"{meta}: vocab_size must be an integer in [1, {dtype_range}], got {vocab_size!r}")
+        return vocab_size
+    if bin_dtype == "uint16":
+        return dtype_range
+    return int(max(array.max() for array in arrays.values())) + 1
+
+
+def open_text_source(path: str | Path) -> WindowSource:
+    """A UTF-8 file as byte tokens; the last TEXT_HELD_OUT_FRACTION is the evaluation split."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such text file") from None
+    except OSError as err:
+        raise InputError(f"{path}: cannot read ({err.strerror})") from None
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise InputError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason})") from None
+    tokens = np.frombuffer(raw, dtype=np.uint8)
+    split = int(len(tokens) * (1 - TEXT_HELD_OUT_FRACTION))
+    if split < 2 or len(tokens) - split < 2:
+        raise InputError(f"{path}: {len(tokens)} bytes is too short to split into training and evaluation text")
+    return WindowSource(tokens[:split], tokens[split:], 256,
+                        f"{path} (first {1 - TEXT_HELD_OUT_FRACTION:.0%})",
+                        f"{path} (last {TEXT_HELD_OUT_FRACTION:.0%})")
+
+
+def build_source(data: DataConfig) -> TokenSource:
+    """The token source a data config describes; bad files raise InputError naming the file."""
+    if data.source == "bin":
+        return open_bin_source(data.path, data.bin_dtype)
+    if data.source == "text":
+        return open_text_source(data.path)
+    from trainer.bios import BiosSource  # bios imports this module for the batch helpers
+    return BiosSource.generate(people=data.bios_people, seed=data.seed)
