@@ -1,18 +1,29 @@
 # depthdiag: `make figure4` runs the whole pipeline, `make test` the tests.
-# Every target below is a real file with its prerequisites, so a rerun with
-# nothing changed does nothing.
+# Every pipeline step is a real file with its prerequisites, so a rerun with
+# nothing changed does nothing, and a changed config or source reruns what
+# depends on it.
 
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+DEPTHDIAG := $(VENV)/bin/depthdiag
 # The CPU wheel by default, so a CPU machine never downloads a CUDA build;
-# on a GPU machine: make TORCH_SPEC='torch>=2.4,<3' ...
+# on a GPU machine: make figure4 TORCH_SPEC='torch>=2.4,<3' CONFIG=configs/paper-200m.toml
 TORCH_SPEC ?= torch==2.13.0
 
 CONFIG ?= configs/tiny.toml
 NAME := $(basename $(notdir $(CONFIG)))
+RUN_DIR := runs/$(NAME)
+RESULTS := results/$(NAME).h5
+# Diagnostic batches per snapshot (each one is a (snapshot, batch) unit).
+BATCHES ?= 32
+FIGURE := figures/figure4$(if $(filter tiny,$(NAME)),,-$(NAME)).png
 
-.PHONY: setup test test-slow bench clean flops
+TRAINER_SOURCES := $(wildcard trainer/*.py)
+DIAG_SOURCES := $(wildcard diag/*.py)
+ANALYSIS_SOURCES := $(wildcard analysis/*.py)
+
+.PHONY: setup figure4 summary test test-slow bench flops clean
 .DELETE_ON_ERROR:
 
 setup: $(VENV)/.installed
@@ -24,14 +35,41 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 
+figure4: $(FIGURE) results/$(NAME)-summary.txt
+
+# Training resumes from the run's newest checkpoint when an earlier attempt was
+# interrupted; the stamp marks a finished run (snapshots included).
+$(RUN_DIR)/train.done: $(CONFIG) $(TRAINER_SOURCES) $(VENV)/.installed
+	$(DEPTHDIAG) train $(CONFIG) --out $(RUN_DIR) $(if $(wildcard $(RUN_DIR)/checkpoints/*.pt),--resume $(RUN_DIR))
+	touch $@
+
+$(RESULTS): $(RUN_DIR)/train.done $(DIAG_SOURCES)
+	mkdir -p $(dir $@)
+	$(DEPTHDIAG) diagnose $(RUN_DIR)/snapshots/*.pt --out $@ --batches $(BATCHES) --resume
+
+results/$(NAME)-summary.txt: $(RESULTS) $(ANALYSIS_SOURCES)
+	$(DEPTHDIAG) summarize $< > $@.tmp && mv $@.tmp $@
+	cat $@
+
+$(FIGURE): $(RESULTS) $(ANALYSIS_SOURCES)
+	mkdir -p $(dir $@)
+	$(DEPTHDIAG) plot $< --figure 4 --out $@
+
+summary: results/$(NAME)-summary.txt
+
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow
 
+bench: $(VENV)/.installed
+	$(PY) bench/bench_model.py
+	$(PY) bench/bench_train.py
+	$(PY) bench/bench_diag.py
+
 flops: $(VENV)/.installed
-	$(VENV)/bin/depthdiag flops configs/paper-200m.toml --updates 4800 --match uniform:1-16
+	$(DEPTHDIAG) flops configs/paper-200m.toml --updates 4800 --match uniform:1-16
 
 clean:
 	rm -rf runs results .pytest_cache

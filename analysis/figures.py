@@ -1,0 +1,176 @@
+"""Figures of the update diagnostic (the paper's Figure 4), drawn from stored intervals.
+
+Computing and drawing are separate: `analysis.stats` produces interval Datasets
+(mean, lower, upper, n), and the functions here draw exactly those numbers, never
+an interval of their own (so no seaborn estimator or bootstrap is used; seaborn
+only provides the style and palette). Figures are built on `matplotlib.figure.Figure`
+rather than pyplot, so nothing needs a display and no global figure state is kept.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import seaborn as sns
+import xarray as xr
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from analysis.stats import Method, benefit_by_depth, depth_averaged_benefit
+from analysis.store import atomic_output
+
+STYLE = "whitegrid"
+PALETTE = "colorblind"
+ZERO_LINE = {"color": "0.25", "linewidth": 0.9, "linestyle": "--", "zorder": 1}
+
+
+def _new_axes(figsize=(5.0, 3.8)) -> Axes:
+    with sns.axes_style(STYLE):
+        return Figure(figsize=figsize, layout="constrained").add_subplot()
+
+
+def _select_snapshots(intervals: xr.Dataset, uniform_updates: Sequence[int]) -> list[int]:
+    """Positions along `snapshot` of the requested uniform-update counts, in the requested order.
+
+    Counts the results do not contain are skipped with a warning; none at all is an error.
+    """
+    available = [int(u) for u in intervals["uniform_updates"].values]
+    missing = [u for u in uniform_updates if u not in available]
+    selected = [available.index(u) for u in uniform_updates if u in available]
+    if not selected:
+        raise ValueError(
+            f"no snapshot after {', '.join(map(str, uniform_updates))} uniform updates "
+            f"(the results have {', '.join(map(str, available))})"
+        )
+    if missing:
+        warnings.warn(
+            f"no snapshot after {', '.join(map(str, missing))} uniform updates; drawing the others",
+            stacklevel=3,
+        )
+    return selected
+
+
+def _benefit_label(intervals: xr.Dataset) -> str:
+    reference, compared = intervals.attrs.get("reference_depth"), intervals.attrs.get("compared_depth")
+    if reference is None or compared is None:
+        return "benefit (NLL)"
+    return f"benefit: NLL after K={reference} update\n− NLL after K={compared} update"
+
+
+def _interval_note(intervals: xr.Dataset) -> str:
+    level = float(intervals.attrs.get("level", 0.95))
+    unit = intervals.attrs.get("unit", "batch")
+    n = np.unique(intervals["n"].values)
+    count = str(int(n[0])) if n.size == 1 else f"{int(n.min())}-{int(n.max())}"
+    method = "BCa bootstrap" if intervals.attrs.get("method") == "bca" else "Student-t"
+    return f"mean and {level:.0%} {method} CI over {count} {unit}{'es' if unit == 'batch' else 's'}"
+
+
+def _snapshot_label(uniform_updates: int) -> str:
+    if uniform_updates == 0:
+        return "switch (0 uniform updates)"
+    return f"{uniform_updates} uniform updates"
+
+
+def plot_benefit_by_depth(
+    intervals: xr.Dataset, *, uniform_updates: Sequence[int] = (0, 16), ax: Axes | None = None
+) -> Axes:
+    """Benefit against serving depth: a mean line and an interval band per selected snapshot.
+
+    `intervals` is `analysis.stats.benefit_by_depth` output (over snapshot, serving_depth).
+    Snapshots are chosen by their uniform-update count. Returns the axes drawn on.
+    """
+    if ax is None:
+        ax = _new_axes()
+    colors = sns.color_palette(PALETTE)
+    depths = intervals["serving_depth"].values
+    for slot, index in enumerate(_select_snapshots(intervals, uniform_updates)):
+        row = intervals.isel(snapshot=index)
+        color = colors[slot % len(colors)]
+        label = _snapshot_label(int(row["uniform_updates"]))
+        ax.fill_between(depths, row["lower"].values, row["upper"].values, color=color, alpha=0.25, linewidth=0)
+        ax.plot(depths, row["mean"].values, color=color, marker="o", markersize=3.5, label=label)
+    ax.axhline(0.0, **ZERO_LINE)
+    ax.set_xlabel("serving depth")
+    ax.set_ylabel(_benefit_label(intervals))
+    ax.set_title(_interval_note(intervals), fontsize="small")
+    ax.legend(frameon=False, fontsize="small")
+    return ax
+
+
+def plot_depth_averaged_benefit(
+    intervals: xr.Dataset, *, uniform_updates: Sequence[int] = (0, 16, 64, 256), ax: Axes | None = None
+) -> Axes:
+    """Depth-averaged benefit per selected snapshot, as points with interval error bars.
+
+    `intervals` is `analysis.stats.depth_averaged_benefit` output (over snapshot).
+    Returns the axes drawn on.
+    """
+    if ax is None:
+        ax = _new_axes(figsize=(4.0, 3.8))
+    selected = _select_snapshots(intervals, uniform_updates)
+    rows = intervals.isel(snapshot=selected)
+    mean, lower, upper = (rows[name].values for name in ("mean", "lower", "upper"))
+    positions = np.arange(len(selected))
+    ax.errorbar(
+        positions,
+        mean,
+        yerr=np.stack([mean - lower, upper - mean]),
+        fmt="o",
+        capsize=5,
+        color=sns.color_palette(PALETTE)[0],
+        elinewidth=1.5,
+    )
+    ax.axhline(0.0, **ZERO_LINE)
+    ax.set_xticks(positions, [str(int(u)) for u in rows["uniform_updates"].values])
+    ax.set_xlim(-0.5, len(selected) - 0.5)
+    ax.set_xlabel("uniform updates since the switch")
+    ax.set_ylabel("benefit averaged over serving depths")
+    ax.set_title(_interval_note(intervals), fontsize="small")
+    return ax
+
+
+def figure4(
+    ds: xr.Dataset,
+    *,
+    level: float = 0.95,
+    method: Method = "t",
+    n_resamples: int = 9999,
+    seed: int = 0,
+) -> Figure:
+    """The paper's Figure 4 from a results Dataset (one file or several seeds).
+
+    Left: benefit by serving depth at 0 and 16 uniform updates. Right: depth-averaged
+    benefit at 0, 16, 64 and 256 uniform updates.
+    """
+    options = {"level": level, "method": method, "n_resamples": n_resamples, "seed": seed}
+    by_depth = benefit_by_depth(ds, **options)
+    averaged = depth_averaged_benefit(ds, **options)
+    with sns.axes_style(STYLE):
+        fig = Figure(figsize=(10.0, 4.0), layout="constrained")
+        left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
+    plot_benefit_by_depth(by_depth, ax=left)
+    plot_depth_averaged_benefit(averaged, ax=right)
+    if "compared_depth" in by_depth.attrs:
+        reference, compared = by_depth.attrs["reference_depth"], by_depth.attrs["compared_depth"]
+        fig.suptitle(
+            f"Benefit of the K={compared} update over the K={reference} update (positive favours K={compared})"
+        )
+    return fig
+
+
+def save_figure(fig: Figure, out: str | os.PathLike, *, dpi: int = 200) -> list[Path]:
+    """Write `fig` to `out` and a PDF beside it, each atomically; return the paths written."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    paths = [out] if out.suffix.lower() == ".pdf" else [out, out.with_suffix(".pdf")]
+    for path in paths:
+        with atomic_output(path) as tmp:
+            # No creation date in the PDF, so rerunning on the same results gives the same bytes.
+            metadata = {"CreationDate": None} if path.suffix.lower() == ".pdf" else None
+            fig.savefig(tmp, format=path.suffix.lstrip(".").lower() or None, dpi=dpi, metadata=metadata)
+    return paths

@@ -1,0 +1,252 @@
+"""The results file: an xarray Dataset in HDF5 (netCDF4 via h5netcdf).
+
+Schema (one file = one diagnostic run; several seeds combine along `seed`):
+
+| variable | dims |
+|---|---|
+| nll | snapshot, batch, update_depth, serving_depth |
+| nll_before | snapshot, serving_depth |
+| benefit | snapshot, batch, serving_depth |
+| update_rms, rms_scale | snapshot, batch, update_depth |
+| update_cosine | snapshot, batch |
+
+Coordinates: `snapshot` (str) with `uniform_updates` and `step` along it, `batch`,
+`update_depth`, `serving_depth`. Attributes are str, int or float only, so every
+netCDF reader sees the same values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import xarray as xr
+
+from trainer.errors import InputError
+
+ENGINE = "h5netcdf"
+COMPRESSION = {"zlib": True, "complevel": 4, "shuffle": True}
+
+VARIABLE_DIMS: dict[str, tuple[str, ...]] = {
+    "nll": ("snapshot", "batch", "update_depth", "serving_depth"),
+    "nll_before": ("snapshot", "serving_depth"),
+    "benefit": ("snapshot", "batch", "serving_depth"),
+    "update_rms": ("snapshot", "batch", "update_depth"),
+    "rms_scale": ("snapshot", "batch", "update_depth"),
+    "update_cosine": ("snapshot", "batch"),
+}
+INDEX_COORDS = ("snapshot", "batch", "update_depth", "serving_depth")
+SNAPSHOT_COORDS = ("uniform_updates", "step")
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; on success move it over `path` atomically.
+
+    The temporary file keeps `path`'s suffix so writers that infer the format from
+    the name (matplotlib's savefig) behave as for the final name. On error the
+    temporary file is removed and `path` is left as it was.
+    """
+    path = Path(path)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".tmp{path.suffix}", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        # mkstemp creates the file private (0600); the result should get the usual permissions.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        yield tmp
+        # The data must be on disk before the rename makes it visible under the real name.
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _netcdf_attr(name: str, value):
+    """An attribute value as str/int/float: bools as 0/1, dicts and lists as JSON strings."""
+    if isinstance(value, (bool, np.bool_)):
+        return int(value)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return float(value)
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (dict, list, tuple)):
+        try:
+            return json.dumps(value, sort_keys=True)
+        except TypeError as err:
+            raise TypeError(f"attribute {name!r}: not JSON-serialisable ({err})") from None
+    raise TypeError(
+        f"attribute {name!r}: {type(value).__name__} is not allowed in a results file "
+        "(use str, int, float, bool or a JSON-serialisable dict)"
+    )
+
+
+def write_dataset(ds: xr.Dataset, path: str | os.PathLike) -> None:
+    """Write `ds` to `path` atomically, compressed (zlib 4 + shuffle on numeric data variables).
+
+    Attributes of the dataset and of its variables are converted to str/int/float
+    (see `_netcdf_attr`); any other attribute type raises TypeError naming it.
+    """
+    ds = ds.copy(deep=False)
+    ds.attrs = {key: _netcdf_attr(key, value) for key, value in ds.attrs.items()}
+    encoding = {}
+    for name, variable in ds.variables.items():
+        variable.attrs = {key: _netcdf_attr(f"{name}.{key}", value) for key, value in variable.attrs.items()}
+        # Encoding left over from the file a dataset was read from (chunk sizes,
+        # source path) may not fit the new shapes; every write starts afresh.
+        variable.encoding = {}
+        if name in ds.data_vars and np.issubdtype(variable.dtype, np.number):
+            encoding[name] = dict(COMPRESSION)
+    with atomic_output(path) as tmp:
+        ds.to_netcdf(tmp, engine=ENGINE, encoding=encoding)
+
+
+def _fail(source, problem: str) -> InputError:
+    return InputError(f"{source}: {problem}")
+
+
+def validate_results(ds: xr.Dataset, source, *, seed_dim: str = "seed") -> None:
+    """Raise InputError("SOURCE: problem") unless `ds` follows the results schema.
+
+    Any variable may carry an extra `seed_dim` dimension (several seeds combined);
+    variables beyond the schema's are allowed.
+    """
+    for name, dims in VARIABLE_DIMS.items():
+        if name not in ds.data_vars:
+            raise _fail(source, f"not a results file (no variable {name!r})")
+        actual = tuple(d for d in ds[name].dims if d != seed_dim)
+        if set(actual) != set(dims) or len(actual) != len(dims):
+            raise _fail(source, f"variable {name!r} has dims {ds[name].dims}, expected {dims}")
+        if not np.issubdtype(ds[name].dtype, np.floating):
+            raise _fail(source, f"variable {name!r} has dtype {ds[name].dtype}, expected floating point")
+    for coord in INDEX_COORDS:
+        if coord not in ds.coords:
+            raise _fail(source, f"missing coordinate {coord!r}")
+    if ds["snapshot"].dtype.kind not in "UOS":
+        raise _fail(source, f"coordinate 'snapshot' has dtype {ds['snapshot'].dtype}, expected strings")
+    for coord in SNAPSHOT_COORDS:
+        if coord not in ds.coords or ds[coord].dims != ("snapshot",):
+            raise _fail(source, f"missing coordinate {coord!r} along 'snapshot'")
+        if not np.issubdtype(ds[coord].dtype, np.integer):
+            raise _fail(source, f"coordinate {coord!r} has dtype {ds[coord].dtype}, expected integers")
+    for coord in ("update_depth", "serving_depth"):
+        if not np.issubdtype(ds[coord].dtype, np.integer):
+            raise _fail(source, f"coordinate {coord!r} has dtype {ds[coord].dtype}, expected integers")
+    if ds.sizes["update_depth"] < 2:
+        raise _fail(source, "fewer than two update depths: there is nothing to compare")
+    for key, value in ds.attrs.items():
+        if not isinstance(value, (str, int, float, np.integer, np.floating)):
+            raise _fail(source, f"attribute {key!r} has type {type(value).__name__}, expected str/int/float")
+
+
+def _canonical(ds: xr.Dataset, seed_dim: str) -> xr.Dataset:
+    """Dims of every schema variable in schema order (seed first where present)."""
+    for name, dims in VARIABLE_DIMS.items():
+        order = ((seed_dim,) if seed_dim in ds[name].dims else ()) + dims
+        ds[name] = ds[name].transpose(*order)
+    return ds
+
+
+def _open_one(path: Path, seed_dim: str) -> xr.Dataset:
+    if not path.exists():
+        raise _fail(path, "no such file")
+    if not path.is_file():
+        raise _fail(path, "not a file")
+    try:
+        with xr.open_dataset(path, engine=ENGINE) as ds:
+            ds = ds.load()
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise _fail(path, f"not a readable results file ({reason})") from None
+    validate_results(ds, path, seed_dim=seed_dim)
+    # netCDF hands attributes back as numpy scalars; plain Python values print and serialise cleanly.
+    ds.attrs = {key: value.item() if isinstance(value, np.generic) else value for key, value in ds.attrs.items()}
+    return _canonical(ds, seed_dim)
+
+
+def _seed_of(ds: xr.Dataset):
+    """The run's seed from the attributes (`seed`, else the run config's train.seed), or None."""
+    if "seed" in ds.attrs:
+        return int(ds.attrs["seed"])
+    config = ds.attrs.get("config")
+    if isinstance(config, str):
+        try:
+            return int(json.loads(config)["train"]["seed"])
+        except (ValueError, KeyError, TypeError):
+            return None
+    return None
+
+
+def _check_same_layout(first: xr.Dataset, first_path: Path, other: xr.Dataset, other_path: Path, seed_dim: str) -> None:
+    """Files combined as seeds must describe the same experiment: same depths and snapshots."""
+    for coord in ("update_depth", "serving_depth", "uniform_updates"):
+        if not np.array_equal(first[coord].values, other[coord].values):
+            raise _fail(
+                other_path,
+                f"coordinate {coord!r} {other[coord].values.tolist()} differs from "
+                f"{first_path}'s {first[coord].values.tolist()}; cannot combine as seeds",
+            )
+    if seed_dim in other.dims:
+        raise _fail(other_path, "already combines several seeds; pass the per-seed files instead")
+
+
+def open_results(paths, *, seed_dim: str = "seed") -> xr.Dataset:
+    """Open one results file, or combine several (one per seed) along `seed_dim`.
+
+    One file is returned as stored (loaded into memory, file closed). Several files
+    must share update depths, serving depths and uniform-update counts; snapshots are
+    matched by position and labelled as in the first file, batches are aligned by
+    index (a file with fewer batches is NaN-padded, which the statistics skip).
+    The `seed_dim` coordinate is each file's seed (attribute `seed`, else the run
+    config's train.seed) when every file has one, else 0..n-1. Attributes shared by
+    all files are kept; the rest are dropped.
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    paths = [Path(p) for p in paths]
+    if not paths:
+        raise InputError("no results files given")
+    datasets = [_open_one(path, seed_dim) for path in paths]
+    if len(datasets) == 1:
+        return datasets[0]
+
+    first, first_path = datasets[0], paths[0]
+    for ds, path in zip(datasets[1:], paths[1:]):
+        _check_same_layout(first, first_path, ds, path, seed_dim)
+    if seed_dim in first.dims:
+        raise _fail(first_path, "already combines several seeds; pass the per-seed files instead")
+
+    seeds = [_seed_of(ds) for ds in datasets]
+    if any(seed is None for seed in seeds):
+        seeds = list(range(len(datasets)))
+    seen: dict[int, Path] = {}
+    for seed, path in zip(seeds, paths):
+        if seed in seen:
+            raise _fail(path, f"has the same seed ({seed}) as {seen[seed]}; the same run twice is not two seeds")
+        seen[seed] = path
+
+    # Snapshot labels and step counts may differ between seeds (run directories,
+    # step offsets); the uniform-update count, checked equal above, is what matches them.
+    relabelled = [
+        ds.assign_coords(snapshot=first["snapshot"].values, step=("snapshot", first["step"].values))
+        for ds in datasets
+    ]
+    combined = xr.concat(
+        relabelled,
+        dim=xr.DataArray(seeds, dims=seed_dim, name=seed_dim),
+        join="outer",
+        combine_attrs="drop_conflicts",
+        coords="minimal",
+        compat="override",
+    )
+    return _canonical(combined, seed_dim)

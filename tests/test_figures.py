@@ -1,0 +1,175 @@
+"""Figure 4 draws the stored intervals; the summarize and plot commands."""
+
+import json
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import xarray as xr  # noqa: E402
+from click.testing import CliRunner  # noqa: E402
+from matplotlib.collections import PolyCollection  # noqa: E402
+from matplotlib.container import ErrorbarContainer  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from analysis.figures import figure4, plot_benefit_by_depth, plot_depth_averaged_benefit, save_figure  # noqa: E402
+from analysis.stats import benefit_by_depth, depth_averaged_benefit, summary_table  # noqa: E402
+from analysis.store import open_results, write_dataset  # noqa: E402
+from diag.cli import main  # noqa: E402
+
+UNIFORM_UPDATES = (0, 16, 64, 256)
+
+
+def results(seed: int = 0, n_batches: int = 4, n_depths: int = 6) -> xr.Dataset:
+    """A schema-complete results Dataset whose benefit grows with serving depth at the switch."""
+    rng = np.random.default_rng(seed)
+    shape = (len(UNIFORM_UPDATES), n_batches, n_depths)
+    trend = np.linspace(-0.1, 0.4, n_depths) * np.array([1.0, 0.2, 0.1, 0.0])[:, None, None]
+    benefit = trend + rng.normal(0.0, 0.05, shape)
+    nll_deep = rng.normal(3.0, 0.1, shape)
+    nll = np.stack([nll_deep + benefit, nll_deep], axis=2)
+    dims = ("snapshot", "batch", "update_depth")
+    return xr.Dataset(
+        {
+            "nll": (("snapshot", "batch", "update_depth", "serving_depth"), nll),
+            "nll_before": (("snapshot", "serving_depth"), nll_deep.mean(axis=1) + 0.1),
+            "benefit": (("snapshot", "batch", "serving_depth"), benefit),
+            "update_rms": (dims, np.full(shape[:2] + (2,), 1e-3)),
+            "rms_scale": (dims, np.ones(shape[:2] + (2,))),
+            "update_cosine": (("snapshot", "batch"), np.full(shape[:2], 0.8)),
+        },
+        coords={
+            "snapshot": [f"uniform-{u}" for u in UNIFORM_UPDATES],
+            "uniform_updates": ("snapshot", list(UNIFORM_UPDATES)),
+            "step": ("snapshot", [1200 + u for u in UNIFORM_UPDATES]),
+            "batch": np.arange(n_batches),
+            "update_depth": [4, 16],
+            "serving_depth": np.arange(1, n_depths + 1),
+        },
+        attrs={"seed": seed},
+    )
+
+
+def data_lines(ax):
+    """Lines other than the horizontal zero line."""
+    return [line for line in ax.get_lines() if not np.array_equal(line.get_ydata(), [0.0, 0.0])]
+
+
+def band_extent(collection: PolyCollection, x):
+    """(lowest, highest) y of a fill_between band at each x."""
+    vertices = collection.get_paths()[0].vertices
+    return np.array([[vertices[vertices[:, 0] == xi, 1].min(), vertices[vertices[:, 0] == xi, 1].max()] for xi in x])
+
+
+def test_benefit_by_depth_draws_the_stored_means_and_bands():
+    intervals = benefit_by_depth(results())
+    ax = plot_benefit_by_depth(intervals, uniform_updates=(16, 0))
+    depths = intervals["serving_depth"].values
+
+    lines = data_lines(ax)
+    bands = [c for c in ax.collections if isinstance(c, PolyCollection)]
+    assert len(lines) == len(bands) == 2
+    for line, band, uniform_updates in zip(lines, bands, (16, 0)):
+        stored = intervals.sel(snapshot=f"uniform-{uniform_updates}")
+        np.testing.assert_array_equal(line.get_xdata(), depths)
+        np.testing.assert_allclose(line.get_ydata(), stored["mean"].values)
+        np.testing.assert_allclose(band_extent(band, depths)[:, 0], stored["lower"].values)
+        np.testing.assert_allclose(band_extent(band, depths)[:, 1], stored["upper"].values)
+        assert str(uniform_updates) in line.get_label()
+    assert any(np.array_equal(line.get_ydata(), [0.0, 0.0]) for line in ax.get_lines())
+
+
+def test_depth_averaged_benefit_draws_the_stored_error_bars():
+    intervals = depth_averaged_benefit(results())
+    ax = plot_depth_averaged_benefit(intervals)
+
+    (container,) = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+    points, _, (bars,) = container.lines
+    stored = intervals.sel(snapshot=[f"uniform-{u}" for u in UNIFORM_UPDATES])
+    np.testing.assert_allclose(points.get_ydata(), stored["mean"].values)
+    segments = np.array(bars.get_segments())  # [snapshot, 2 ends, (x, y)]
+    np.testing.assert_allclose(segments[:, :, 1].min(axis=1), stored["lower"].values)
+    np.testing.assert_allclose(segments[:, :, 1].max(axis=1), stored["upper"].values)
+    assert [label.get_text() for label in ax.get_xticklabels()] == [str(u) for u in UNIFORM_UPDATES]
+    assert any(np.array_equal(line.get_ydata(), [0.0, 0.0]) for line in ax.get_lines())
+
+
+def test_drawing_on_given_axes_returns_them():
+    intervals = benefit_by_depth(results())
+    fig = Figure()
+    ax = fig.add_subplot()
+    assert plot_benefit_by_depth(intervals, ax=ax) is ax
+
+
+def test_missing_snapshots_warn_and_none_at_all_fails():
+    intervals = depth_averaged_benefit(results())
+    with pytest.warns(UserWarning, match="1000"):
+        ax = plot_depth_averaged_benefit(intervals, uniform_updates=(0, 1000))
+    assert len(ax.containers[0].lines[0].get_ydata()) == 1
+    with pytest.raises(ValueError, match="1000"):
+        plot_benefit_by_depth(benefit_by_depth(results()), uniform_updates=(1000,))
+
+
+def test_figure4_from_several_seeds(tmp_path):
+    paths = [tmp_path / f"seed{seed}.h5" for seed in (0, 1, 2)]
+    for seed, path in enumerate(paths):
+        write_dataset(results(seed=seed), path)
+    ds = open_results(paths)
+    fig = figure4(ds)
+    left, right = fig.axes
+
+    by_depth = benefit_by_depth(ds)
+    assert by_depth.attrs["unit"] == "seed" and int(by_depth["n"].min()) == 3
+    for line, uniform_updates in zip(data_lines(left), (0, 16)):
+        np.testing.assert_allclose(line.get_ydata(), by_depth.sel(snapshot=f"uniform-{uniform_updates}")["mean"])
+    np.testing.assert_allclose(right.containers[0].lines[0].get_ydata(), depth_averaged_benefit(ds)["mean"])
+
+    written = save_figure(fig, tmp_path / "out" / "figure4.png", dpi=40)
+    assert [p.name for p in written] == ["figure4.png", "figure4.pdf"]
+    assert written[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert written[1].read_bytes()[:5] == b"%PDF-"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["figure4.pdf", "figure4.png"]
+
+
+def test_summarize_command(tmp_path):
+    path = tmp_path / "results.h5"
+    write_dataset(results(), path)
+    runner = CliRunner()
+
+    table = runner.invoke(main, ["summarize", str(path)])
+    assert table.exit_code == 0, table.output
+    assert len(table.stdout.splitlines()) == 1 + len(UNIFORM_UPDATES)
+    assert all(f"uniform-{u}" in table.stdout for u in UNIFORM_UPDATES)
+
+    as_json = runner.invoke(main, ["summarize", str(path), "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    assert json.loads(as_json.stdout)["rows"] == summary_table(open_results(path))
+
+
+def test_plot_command_writes_png_and_pdf(tmp_path):
+    paths = [tmp_path / f"seed{seed}.h5" for seed in (0, 1)]
+    for seed, path in enumerate(paths):
+        write_dataset(results(seed=seed), path)
+    out = tmp_path / "figures" / "figure4.png"
+    result = CliRunner().invoke(main, ["plot", *map(str, paths), "--figure", "4", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:4] == b"\x89PNG" and out.with_suffix(".pdf").exists()
+
+
+@pytest.mark.parametrize("name", ["summarize", "plot"])
+def test_bad_results_files_exit_2_with_one_line(tmp_path, name):
+    figure = tmp_path / "figure.png"
+    command = ["summarize"] if name == "summarize" else ["plot", "--out", str(figure)]
+    runner = CliRunner()
+    missing = runner.invoke(main, [*command, str(tmp_path / "missing.h5")])
+    assert missing.exit_code == 2
+    assert missing.stderr.strip().splitlines() == [f"depthdiag: error: {tmp_path / 'missing.h5'}: no such file"]
+
+    garbage = tmp_path / "garbage.h5"
+    garbage.write_bytes(b"\x00" * 64)
+    bad = runner.invoke(main, [*command, str(garbage)])
+    assert bad.exit_code == 2
+    assert len(bad.stderr.strip().splitlines()) == 1 and str(garbage) in bad.stderr
+    assert not figure.exists()

@@ -1,0 +1,187 @@
+"""Benefit intervals: batch-level Student-t (and BCa) intervals, checked against scipy.stats directly."""
+
+import math
+
+import numpy as np
+import pytest
+import scipy.stats
+import xarray as xr
+
+from analysis.stats import (
+    bca_interval,
+    benefit_by_depth,
+    depth_averaged_benefit,
+    format_summary_table,
+    summary_table,
+    t_interval,
+)
+
+
+def benefit_results(benefit: np.ndarray, uniform_updates=None, seeded: bool = False) -> xr.Dataset:
+    """A Dataset with the coordinates the statistics read, around `benefit` [(seed,) snapshot, batch, depth]."""
+    dims = (("seed",) if seeded else ()) + ("snapshot", "batch", "serving_depth")
+    n_snapshots, n_batches, n_depths = benefit.shape[-3:]
+    uniform_updates = list(uniform_updates if uniform_updates is not None else range(n_snapshots))
+    coords = {
+        "snapshot": [f"s{u}" for u in uniform_updates],
+        "uniform_updates": ("snapshot", uniform_updates),
+        "step": ("snapshot", [1000 + u for u in uniform_updates]),
+        "batch": np.arange(n_batches),
+        "serving_depth": np.arange(1, n_depths + 1),
+        "update_depth": [4, 16],
+    }
+    if seeded:
+        coords["seed"] = np.arange(benefit.shape[0])
+    return xr.Dataset({"benefit": (dims, benefit)}, coords=coords)
+
+
+def scipy_t(values, level=0.95):
+    values = np.asarray(values)
+    return scipy.stats.t.interval(level, len(values) - 1, loc=values.mean(), scale=scipy.stats.sem(values))
+
+
+def correlated_benefit(rng, n_snapshots, n_batches, n_depths, means, batch_sd=0.5, depth_sd=0.05):
+    """Benefit with a shared per-batch effect: depths of one batch move together, as in the diagnostic."""
+    batch_effect = rng.normal(0.0, batch_sd, (n_snapshots, n_batches, 1))
+    noise = rng.normal(0.0, depth_sd, (n_snapshots, n_batches, n_depths))
+    return np.asarray(means, dtype=float)[:, None, None] + batch_effect + noise
+
+
+def test_t_interval_matches_scipy():
+    values = np.random.default_rng(0).normal(0.3, 1.0, 17)
+    for level in (0.9, 0.95, 0.99):
+        mean, lower, upper, n = t_interval(values, level)
+        expected = scipy_t(values, level)
+        assert n == 17 and mean == pytest.approx(values.mean())
+        assert (lower, upper) == pytest.approx(expected, rel=1e-12)
+
+
+def test_t_interval_skips_nan_and_needs_two_values():
+    assert t_interval(np.array([1.0, np.nan, 3.0]))[3] == 2
+    mean, lower, upper, n = t_interval(np.array([2.0, np.nan]))
+    assert (mean, n) == (2.0, 1) and math.isnan(lower) and math.isnan(upper)
+
+
+def test_depth_average_comes_before_the_interval():
+    rng = np.random.default_rng(1)
+    benefit = correlated_benefit(rng, 2, 12, 16, means=[0.2, -0.1])
+    intervals = depth_averaged_benefit(benefit_results(benefit))
+
+    for index in range(2):
+        batch_means = benefit[index].mean(axis=1)
+        lower, upper = scipy_t(batch_means)
+        row = intervals.isel(snapshot=index)
+        assert int(row["n"]) == 12
+        assert float(row["mean"]) == pytest.approx(benefit[index].mean())
+        assert (float(row["lower"]), float(row["upper"])) == pytest.approx((lower, upper), rel=1e-12)
+        # Treating the 12 x 16 correlated values as independent would claim far more precision.
+        pooled_lower, pooled_upper = scipy_t(benefit[index].ravel())
+        assert pooled_upper - pooled_lower < 0.5 * (upper - lower)
+
+
+def test_batch_level_intervals_cover_the_true_mean():
+    # Many independent experiments at once (one per "snapshot"); the interval must hold its
+    # nominal coverage under within-batch correlation, which a pooled interval would not.
+    rng = np.random.default_rng(2)
+    true_mean, n_experiments = 0.1, 2000
+    benefit = correlated_benefit(rng, n_experiments, 8, 16, means=np.full(n_experiments, true_mean))
+    intervals = depth_averaged_benefit(benefit_results(benefit))
+    covered = (intervals["lower"] <= true_mean) & (true_mean <= intervals["upper"])
+    assert 0.93 <= float(covered.mean()) <= 0.97
+
+
+def test_per_depth_intervals_match_scipy():
+    rng = np.random.default_rng(3)
+    benefit = correlated_benefit(rng, 3, 10, 6, means=[0.0, 0.5, -0.5])
+    intervals = benefit_by_depth(benefit_results(benefit), level=0.9)
+    assert intervals["mean"].dims == ("snapshot", "serving_depth")
+    for snapshot in range(3):
+        for depth in range(6):
+            lower, upper = scipy_t(benefit[snapshot, :, depth], level=0.9)
+            row = intervals.isel(snapshot=snapshot, serving_depth=depth)
+            assert float(row["mean"]) == pytest.approx(benefit[snapshot, :, depth].mean())
+            assert (float(row["lower"]), float(row["upper"])) == pytest.approx((lower, upper), rel=1e-12)
+    assert intervals.attrs["unit"] == "batch" and intervals.attrs["level"] == 0.9
+
+
+def test_incomplete_batches_are_left_out():
+    rng = np.random.default_rng(4)
+    benefit = correlated_benefit(rng, 1, 6, 5, means=[0.3])
+    benefit[0, 2, 4] = np.nan  # one depth of one batch never evaluated
+    intervals = depth_averaged_benefit(benefit_results(benefit))
+    complete = np.delete(benefit[0], 2, axis=0).mean(axis=1)
+    assert int(intervals["n"][0]) == 5
+    assert (float(intervals["lower"][0]), float(intervals["upper"][0])) == pytest.approx(scipy_t(complete))
+
+
+def test_several_seeds_use_per_seed_means():
+    rng = np.random.default_rng(5)
+    n_seeds, n_snapshots, n_batches, n_depths = 4, 2, 6, 5
+    seed_effect = rng.normal(0.0, 0.3, (n_seeds, 1, 1, 1))
+    benefit = seed_effect + rng.normal(0.1, 0.2, (n_seeds, n_snapshots, n_batches, n_depths))
+    benefit[3, :, 4:] = np.nan  # the last seed ran fewer batches
+    ds = benefit_results(benefit, seeded=True)
+
+    averaged = depth_averaged_benefit(ds)
+    by_depth = benefit_by_depth(ds)
+    assert averaged.attrs["unit"] == "seed"
+    for snapshot in range(n_snapshots):
+        seed_means = [np.nanmean(benefit[s, snapshot].mean(axis=1)) for s in range(n_seeds)]
+        row = averaged.isel(snapshot=snapshot)
+        assert int(row["n"]) == n_seeds
+        assert float(row["mean"]) == pytest.approx(np.mean(seed_means))
+        assert (float(row["lower"]), float(row["upper"])) == pytest.approx(scipy_t(seed_means))
+        for depth in range(n_depths):
+            depth_means = [np.nanmean(benefit[s, snapshot, :, depth]) for s in range(n_seeds)]
+            cell = by_depth.isel(snapshot=snapshot, serving_depth=depth)
+            assert (float(cell["lower"]), float(cell["upper"])) == pytest.approx(scipy_t(depth_means))
+
+
+def test_bca_matches_scipy_bootstrap_and_is_reproducible():
+    rng = np.random.default_rng(6)
+    benefit = correlated_benefit(rng, 2, 15, 4, means=[0.4, 0.0])
+    ds = benefit_results(benefit)
+    intervals = depth_averaged_benefit(ds, method="bca", n_resamples=2000, seed=11)
+    again = depth_averaged_benefit(ds, method="bca", n_resamples=2000, seed=11)
+    xr.testing.assert_identical(intervals, again)
+    for index in range(2):
+        batch_means = benefit[index].mean(axis=1)
+        reference = scipy.stats.bootstrap(
+            (batch_means,), np.mean, n_resamples=2000, method="BCa", rng=np.random.default_rng(11)
+        ).confidence_interval
+        row = intervals.isel(snapshot=index)
+        assert (float(row["lower"]), float(row["upper"])) == pytest.approx((reference.low, reference.high))
+    assert bca_interval(np.ones(5))[1:3] == pytest.approx((math.nan, math.nan), nan_ok=True)
+
+
+def test_summary_table_rows():
+    rng = np.random.default_rng(7)
+    # Stored out of order: the table is ordered by uniform updates.
+    benefit = correlated_benefit(rng, 3, 12, 8, means=[0.0, 2.0, -2.0], batch_sd=0.2)
+    ds = benefit_results(benefit, uniform_updates=[16, 0, 64])
+    rows = summary_table(ds)
+    intervals = depth_averaged_benefit(ds)
+
+    assert [row["uniform_updates"] for row in rows] == [0, 16, 64]
+    for row in rows:
+        stored = intervals.sel(snapshot=row["snapshot"])
+        assert row["mean"] == float(stored["mean"]) and row["n"] == 12 and row["unit"] == "batch"
+        assert (row["lower"], row["upper"]) == (float(stored["lower"]), float(stored["upper"]))
+        assert row["step"] == 1000 + row["uniform_updates"]
+        assert row["excludes_zero"] == (row["lower"] > 0 or row["upper"] < 0)
+    assert rows[0]["excludes_zero"] and rows[2]["excludes_zero"]
+
+    text = format_summary_table(rows)
+    assert len(text.splitlines()) == 4 and "95% CI" in text and "s16" in text
+
+
+def test_single_unit_gives_no_interval_and_excludes_nothing():
+    rows = summary_table(benefit_results(np.full((1, 1, 3), 5.0)))
+    assert rows[0]["n"] == 1 and math.isnan(rows[0]["lower"]) and not rows[0]["excludes_zero"]
+    assert "n/a" in format_summary_table(rows)
+
+
+@pytest.mark.parametrize("options", [{"level": 1.5}, {"method": "normal"}, {"n_resamples": 0}])
+def test_bad_options_are_refused(options):
+    with pytest.raises(ValueError):
+        depth_averaged_benefit(benefit_results(np.zeros((1, 3, 2))), **options)

@@ -1,0 +1,171 @@
+"""Results files: schema validation, atomic compressed writes, opening and combining seeds."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import xarray as xr
+
+from analysis.store import VARIABLE_DIMS, open_results, validate_results, write_dataset
+from trainer.errors import InputError
+
+UNIFORM_UPDATES = (0, 16, 64, 256)
+
+
+def synthetic_results(seed: int = 0, n_batches: int = 3, serving_depths=range(1, 9), attrs=None) -> xr.Dataset:
+    """A small results Dataset following the schema, with random numbers."""
+    rng = np.random.default_rng(seed)
+    n_snapshots, depths = len(UNIFORM_UPDATES), list(serving_depths)
+    nll = rng.normal(3.0, 0.1, (n_snapshots, n_batches, 2, len(depths)))
+    return xr.Dataset(
+        {
+            "nll": (VARIABLE_DIMS["nll"], nll),
+            "nll_before": (VARIABLE_DIMS["nll_before"], rng.normal(3.0, 0.1, (n_snapshots, len(depths)))),
+            "benefit": (VARIABLE_DIMS["benefit"], nll[:, :, 0] - nll[:, :, 1]),
+            "update_rms": (VARIABLE_DIMS["update_rms"], rng.random((n_snapshots, n_batches, 2))),
+            "rms_scale": (VARIABLE_DIMS["rms_scale"], rng.random((n_snapshots, n_batches, 2))),
+            "update_cosine": (VARIABLE_DIMS["update_cosine"], rng.random((n_snapshots, n_batches))),
+        },
+        coords={
+            "snapshot": [f"seed{seed}/uniform-{u:04d}" for u in UNIFORM_UPDATES],
+            "uniform_updates": ("snapshot", list(UNIFORM_UPDATES)),
+            "step": ("snapshot", [100 + u for u in UNIFORM_UPDATES]),
+            "batch": np.arange(n_batches),
+            "update_depth": [4, 16],
+            "serving_depth": depths,
+        },
+        attrs={"seed": seed} if attrs is None else attrs,
+    )
+
+
+def test_round_trip_keeps_data_coords_and_attrs(tmp_path):
+    ds = synthetic_results()
+    ds.attrs = {"seed": 3, "isolate": "counterfactual", "lr": 2e-3, "bf16": True, "config": {"train": {"seed": 3}}}
+    path = tmp_path / "results.h5"
+    write_dataset(ds, path)
+    back = open_results(path)
+
+    for name in VARIABLE_DIMS:
+        np.testing.assert_array_equal(back[name].values, ds[name].values)
+        assert back[name].dims == ds[name].dims
+    assert list(back["snapshot"].values) == list(ds["snapshot"].values)
+    for coord in ("uniform_updates", "step", "batch", "update_depth", "serving_depth"):
+        np.testing.assert_array_equal(back[coord].values, ds[coord].values)
+    assert back["uniform_updates"].dims == ("snapshot",)
+    assert back.attrs["seed"] == 3 and back.attrs["isolate"] == "counterfactual" and back.attrs["lr"] == 2e-3
+    assert back.attrs["bf16"] == 1
+    assert json.loads(back.attrs["config"]) == {"train": {"seed": 3}}
+    # The caller's Dataset is not changed by the attribute conversion.
+    assert ds.attrs["bf16"] is True
+
+
+def test_numeric_variables_are_compressed(tmp_path):
+    path = tmp_path / "results.h5"
+    write_dataset(synthetic_results(), path)
+    with h5py.File(path, "r") as handle:
+        for name in VARIABLE_DIMS:
+            assert handle[name].compression == "gzip", name
+            assert handle[name].compression_opts == 4, name
+            assert handle[name].shuffle, name
+
+
+def test_unsupported_attribute_is_rejected_by_name(tmp_path):
+    ds = synthetic_results()
+    ds.attrs["started"] = object()
+    with pytest.raises(TypeError, match="started"):
+        write_dataset(ds, tmp_path / "results.h5")
+    assert not list(tmp_path.iterdir())
+
+
+def test_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    path = tmp_path / "results.h5"
+    write_dataset(synthetic_results(seed=0), path)
+    before = path.read_bytes()
+    broken = synthetic_results(seed=1)
+    broken["unwritable"] = ("batch", np.array([object(), object(), object()], dtype=object))
+    with pytest.raises(Exception):
+        write_dataset(broken, path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["results.h5"]
+
+
+def test_missing_file_names_it(tmp_path):
+    missing = tmp_path / "nope.h5"
+    with pytest.raises(InputError, match="nope.h5: no such file"):
+        open_results(missing)
+
+
+def test_non_results_files_name_the_file(tmp_path):
+    text = tmp_path / "notes.h5"
+    text.write_text("not hdf5")
+    with pytest.raises(InputError, match="notes.h5"):
+        open_results(text)
+
+    other = tmp_path / "other.h5"
+    xr.Dataset({"loss": ("step", np.arange(3.0))}).to_netcdf(other, engine="h5netcdf")
+    with pytest.raises(InputError, match=r"other.h5: not a results file \(no variable 'nll'\)"):
+        open_results(other)
+
+
+def test_validate_rejects_wrong_dims_and_missing_snapshot_coords():
+    ds = synthetic_results()
+    with pytest.raises(InputError, match="src: variable 'benefit'"):
+        validate_results(ds.assign(benefit=ds["benefit"].isel(serving_depth=0)), "src")
+    with pytest.raises(InputError, match="uniform_updates"):
+        validate_results(ds.drop_vars("uniform_updates"), "src")
+    validate_results(ds, "src")
+
+
+def test_several_files_combine_along_seed(tmp_path):
+    paths = []
+    for seed in (7, 3):
+        paths.append(tmp_path / f"seed{seed}.h5")
+        write_dataset(synthetic_results(seed=seed), paths[-1])
+    combined = open_results(paths)
+
+    assert list(combined["seed"].values) == [7, 3]
+    assert combined["benefit"].dims == ("seed", *VARIABLE_DIMS["benefit"])
+    for seed, path in zip((7, 3), paths):
+        single = open_results(path)
+        np.testing.assert_array_equal(combined["nll"].sel(seed=seed).values, single["nll"].values)
+    # Seeds are matched by uniform updates; labels come from the first file.
+    assert list(combined["snapshot"].values) == [f"seed7/uniform-{u:04d}" for u in UNIFORM_UPDATES]
+    assert combined["uniform_updates"].dims == ("snapshot",)
+    assert "seed" not in combined.attrs  # differs between files
+
+
+def test_seeds_default_to_positions_and_batches_are_padded(tmp_path):
+    first, second = tmp_path / "a.h5", tmp_path / "b.h5"
+    write_dataset(synthetic_results(seed=0, n_batches=3, attrs={"tag": "x"}), first)
+    write_dataset(synthetic_results(seed=1, n_batches=2, attrs={"tag": "x"}), second)
+    combined = open_results([first, second])
+    assert list(combined["seed"].values) == [0, 1]
+    assert combined.attrs == {"tag": "x"}
+    assert np.isnan(combined["benefit"].sel(seed=1, batch=2)).all()
+    assert np.isfinite(combined["benefit"].sel(seed=1, batch=1)).all()
+
+
+def test_incompatible_or_duplicate_seeds_are_refused(tmp_path):
+    base, shallow, twin = tmp_path / "base.h5", tmp_path / "shallow.h5", tmp_path / "twin.h5"
+    write_dataset(synthetic_results(seed=0), base)
+    write_dataset(synthetic_results(seed=1, serving_depths=range(1, 5)), shallow)
+    write_dataset(synthetic_results(seed=0), twin)
+    with pytest.raises(InputError, match="shallow.h5: coordinate 'serving_depth'"):
+        open_results([base, shallow])
+    with pytest.raises(InputError, match="twin.h5: has the same seed"):
+        open_results([base, twin])
+    with pytest.raises(InputError, match="missing.h5: no such file"):
+        open_results([base, tmp_path / "missing.h5"])
+
+
+def test_analysis_never_imports_torch():
+    code = "import sys, analysis, analysis.store, analysis.stats, analysis.figures; print('torch' in sys.modules)"
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "MPLBACKEND": "Agg"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root, env=env)
+    assert out.stdout.strip() == "False"
