@@ -166,11 +166,14 @@ def figure4(
 def save_figure(fig: Figure, out: str | os.PathLike, *, dpi: int = 200) -> list[Path]:
     """Write `fig` to `out` and a PDF beside it, each atomically; return the paths written."""
     out = Path(out)
+    # Checked before anything is written: the temporary file's name cannot tell matplotlib the format.
+    if out.suffix.lstrip(".").lower() not in fig.canvas.get_supported_filetypes():
+        raise ValueError(f"{out}: unknown image format {out.suffix or '(no extension)'}; use e.g. .png or .pdf")
     out.parent.mkdir(parents=True, exist_ok=True)
     paths = [out] if out.suffix.lower() == ".pdf" else [out, out.with_suffix(".pdf")]
     for path in paths:
         with atomic_output(path) as tmp:
             # No creation date in the PDF, so rerunning on the same results gives the same bytes.
             metadata = {"CreationDate": None} if path.suffix.lower() == ".pdf" else None
-            fig.savefig(tmp, format=path.suffix.lstrip(".").lower() or None, dpi=dpi, metadata=metadata)
+            fig.savefig(tmp, format=path.suffix.lstrip(".").lower(), dpi=dpi, metadata=metadata)
     return paths

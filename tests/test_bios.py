@@ -217,8 +217,14 @@ def test_one_pass_recall_agrees_with_separate_forwards():
     source = BiosSource.generate(people=12, seed=0)
     torch.manual_seed(0)
     model = LoopedTransformer(ModelConfig(vocab_size=source.vocab_size, max_seq_len=32, d_model=32, n_heads=2))
+    # At initialisation the adapter ignores the state, so every depth would give the same
+    # logits and a mix-up of depths would go unnoticed; perturbed weights make them differ.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
     ids = source.recall_set()[0][:16]
     depths = [1, 3, 4]
+    assert not torch.allclose(model(ids, depth=1), model(ids, depth=4))
     for depth, logits in logits_by_depth(model, ids, depths):
         torch.testing.assert_close(logits, model(ids, depth=depth))
     model.train()

@@ -122,6 +122,7 @@ def test_figure4_from_several_seeds(tmp_path):
 
     by_depth = benefit_by_depth(ds)
     assert by_depth.attrs["unit"] == "seed" and int(by_depth["n"].min()) == 3
+    assert len(data_lines(left)) == 2
     for line, uniform_updates in zip(data_lines(left), (0, 16)):
         np.testing.assert_allclose(line.get_ydata(), by_depth.sel(snapshot=f"uniform-{uniform_updates}")["mean"])
     np.testing.assert_allclose(right.containers[0].lines[0].get_ydata(), depth_averaged_benefit(ds)["mean"])
@@ -146,6 +147,14 @@ def test_summarize_command(tmp_path):
     as_json = runner.invoke(main, ["summarize", str(path), "--json"])
     assert as_json.exit_code == 0, as_json.output
     assert json.loads(as_json.stdout)["rows"] == summary_table(open_results(path))
+
+
+@pytest.mark.parametrize("name", ["figure4", "figure4.bogus"])
+def test_unknown_image_format_is_refused_before_writing(tmp_path, name):
+    fig = figure4(results())
+    with pytest.raises(ValueError, match=f"{name}: unknown image format"):
+        save_figure(fig, tmp_path / "out" / name)
+    assert not (tmp_path / "out").exists()
 
 
 def test_plot_command_writes_png_and_pdf(tmp_path):

@@ -46,6 +46,7 @@ def as_vector(distribution, max_depth):
     ("progressive:mean=8,warmup=0.75,shape=1-sqrt", "progressive:mean=8,sigma=0.5,max=16,warmup=0.75,shape=1-sqrt"),
     ("progressive:shape=linear", "progressive:mean=8,sigma=0.5,max=16,warmup=0.75,shape=linear"),
     ("fixed-first", "fixed-first:k0=4,switch=0.8,finish=uniform:1-16"),
+    ("fixed-first:k0=2, switch=0.5, finish=uniform:1-16", "fixed-first:k0=2,switch=0.5,finish=uniform:1-16"),
     ("fixed-first:k0=2,switch=0.67,finish=pln:mean=8,sigma=0.5,max=16",
      "fixed-first:k0=2,switch=0.67,finish=pln:mean=8,sigma=0.5,max=16"),
 ])

@@ -44,8 +44,11 @@ ATTRIBUTES = ("birth city", "birth day", "birth month", "university", "major", "
 SEP = 0
 """Starts every bio; rows of a batch pack several bios back to back."""
 
-_EVAL_STREAM = 1
-"""Generator stream of the evaluation set, apart from the population's stream 0."""
+_POPULATION_STREAM, _EVAL_STREAM = 0, 1
+"""Generator streams of the population and of the evaluation set."""
+_BIOS_SALT = 0xB105
+"""Third seed word of the bioS streams, so they never coincide with a training
+batch's generator, which is seeded by (train.seed, step) alone."""
 
 
 @dataclass(frozen=True)
@@ -182,7 +185,7 @@ class BiosSource:
         if people < 1 or people > spec.name_vocab ** spec.name_length:
             raise ValueError(f"bioS people must be in [1, {spec.name_vocab ** spec.name_length}] "
                              f"(distinct names), got {people}")
-        rng = np.random.Generator(np.random.PCG64([seed, 0]))
+        rng = np.random.Generator(np.random.PCG64([seed, _POPULATION_STREAM, _BIOS_SALT]))
         spellings = tuple(spec.first_value_token + _digits(rng.choice(spec.value_vocab ** length, cardinality,
                                                                       replace=False), spec.value_vocab, length)
                           for cardinality, length in zip(spec.cardinalities, spec.value_lengths))
@@ -246,7 +249,7 @@ class BiosSource:
         """Packed evaluation-order bios of the same people, fixed by the data seed."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        rng = np.random.Generator(np.random.PCG64([self.seed, _EVAL_STREAM]))
+        rng = np.random.Generator(np.random.PCG64([self.seed, _EVAL_STREAM, _BIOS_SALT]))
         return self._packed(rng, n, slice(None), seq_len, self._evaluation)
 
     # --- recall -------------------------------------------------------------------------------

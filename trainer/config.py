@@ -18,6 +18,7 @@ from typing import Any
 
 from trainer.errors import InputError
 from trainer.model import ModelConfig
+from trainer.schedules import parse_schedule
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class DataConfig:
             raise ValueError(f"data.bin_dtype must be 'uint16' or 'uint32', got {self.bin_dtype!r}")
         if self.bios_people < 1 or self.eval_sequences < 1:
             raise ValueError("data.bios_people and data.eval_sequences must be >= 1")
+        if self.seed < 0:
+            raise ValueError(f"data.seed must be >= 0 (numpy seeds are non-negative), got {self.seed}")
 
 
 @dataclass(frozen=True)
@@ -115,12 +118,19 @@ class TrainConfig:
         for name in ("updates", "batch_size", "seq_len", "snapshot_batches", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.seed < 0:
+            raise ValueError(f"train.seed must be >= 0 (numpy seeds are non-negative), got {self.seed}")
         if self.checkpoint_every < 0 or any(n < 0 for n in self.snapshot_uniform_updates):
             raise ValueError("train.checkpoint_every and train.snapshot_uniform_updates must be >= 0")
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"train.precision must be 'fp32' or 'bf16', got {self.precision!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"train.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        # Parsed here so a bad spec is reported against the config file that holds it.
+        try:
+            parse_schedule(self.schedule, seed=self.seed, total_updates=self.updates)
+        except InputError as err:
+            raise ValueError(f"train.schedule: {err}") from None
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig}
@@ -162,6 +172,10 @@ class RunConfig:
             bad = sorted(set(section) - known)
             if bad:
                 raise InputError(f"{source}: unknown key(s) in [{name}]: {', '.join(bad)}")
+            for key, value in section.items():
+                expected = _expected_type(klass, key)
+                if not _has_type(value, expected):
+                    raise InputError(f"{source}: {name}.{key} must be {expected}, got {value!r}")
             try:
                 sections[name] = klass(**section)
             except (TypeError, ValueError) as err:
@@ -193,6 +207,23 @@ class RunConfig:
                 raise InputError(f"--set {assignment!r}: unknown key {name!r} in [{section}]")
             values[section][name] = _parse_literal(raw.strip())
         return RunConfig.from_dict(values, source="--set")
+
+
+def _expected_type(klass: type, key: str) -> str:
+    """'int', 'float', 'str', 'bool' or 'a list of integers', read off the field's default."""
+    default = getattr(klass(), key)
+    return "a list of integers" if isinstance(default, tuple) else type(default).__name__
+
+
+def _has_type(value: Any, expected: str) -> bool:
+    # TOML and JSON tell bools from ints, and ints from floats; a float field takes an int.
+    if isinstance(value, bool):
+        return expected == "bool"
+    if expected == "a list of integers":
+        return isinstance(value, (list, tuple)) and all(_has_type(v, "int") for v in value)
+    if expected == "float":
+        return isinstance(value, (int, float))
+    return type(value).__name__ == expected
 
 
 def _parse_literal(raw: str) -> Any:

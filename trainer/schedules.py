@@ -464,6 +464,7 @@ def _parse_fixed(body: str, seed: int, total_updates: int) -> FixedSchedule:
 
 def _parse_fixed_first(body: str, seed: int, total_updates: int) -> FixedFirstSchedule:
     head, sep, finish_spec = body.partition("finish=")
+    head = head.rstrip()  # "k0=4, finish=..." is as valid as "k0=4,finish=..."
     if sep and head and not head.endswith(","):
         raise ValueError(f"expected key=value, got {body!r}")
     values = _key_values(head.rstrip(","), ("k0", "switch"))
