@@ -37,13 +37,14 @@ $(VENV)/.installed: pyproject.toml
 
 figure4: $(FIGURE) results/$(NAME)-summary.txt
 
-# Training resumes from the run's newest checkpoint when an earlier attempt was
-# interrupted; the stamp marks a finished run (snapshots included).
-$(RUN_DIR)/train.done: $(CONFIG) $(TRAINER_SOURCES) $(VENV)/.installed
-	$(DEPTHDIAG) train $(CONFIG) --out $(RUN_DIR) $(if $(wildcard $(RUN_DIR)/checkpoints/*.pt),--resume $(RUN_DIR))
-	touch $@
+# The run's summary.json marks a finished training run (snapshots included). A
+# run interrupted before it resumes from its newest checkpoint; a finished run
+# whose config or sources changed starts over.
+$(RUN_DIR)/summary.json: $(CONFIG) $(TRAINER_SOURCES) $(VENV)/.installed
+	if [ -e $@ ]; then rm -rf $(RUN_DIR); fi
+	$(DEPTHDIAG) train $(CONFIG) --out $(RUN_DIR) $$(if [ -e $(RUN_DIR)/checkpoints/latest ]; then echo --resume $(RUN_DIR); fi)
 
-$(RESULTS): $(RUN_DIR)/train.done $(DIAG_SOURCES)
+$(RESULTS): $(RUN_DIR)/summary.json $(DIAG_SOURCES)
 	mkdir -p $(dir $@)
 	$(DEPTHDIAG) diagnose $(RUN_DIR)/snapshots/*.pt --out $@ --batches $(BATCHES) --resume
 

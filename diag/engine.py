@@ -1,0 +1,381 @@
+"""The update diagnostic for one (snapshot, batch) unit. Formulas: docs/diagnostic.md.
+
+For weights theta with optimizer state S and one training batch b:
+
+    g_K    = grad of the training loss at depth K on b (clipped as in training)
+    u_K    = Delta(g_K) - Delta(0)          isolate='counterfactual' (default)
+           = Delta(g_K)                     isolate='none'
+           = d/de Delta(e g_K) at e = 0     isolate='linear'
+    u_K   <- u_K * c_K                      RMS matching (default: to the first depth's RMS)
+    nll[K, s] = eval NLL of theta + u_K at serving depth s
+    benefit_K(s) = nll[K_ref, s] - nll[K, s]     (positive favours depth K over K_ref)
+
+`UpdateDiagnostic` holds what is shared by every batch of one snapshot (fp32
+clones of theta and S, Delta(0), the NLL of theta itself); `compare_updates`
+is the one-shot wrapper. Neither touches the model or the optimizer: all
+forwards go through `torch.func.functional_call` on clones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import xarray as xr
+from torch import Tensor
+
+from diag.optim_step import OptimizerStep, optimizer_step
+
+IGNORE_INDEX = -1
+"""Target value skipped by the training loss and the evaluation (as trainer.model.IGNORE_INDEX)."""
+
+ISOLATE_CHOICES = ("counterfactual", "none", "linear")
+RMS_MATCH_CHOICES = ("reference", "geomean", "none", "per-tensor")
+PRECISION_CHOICES = ("fp32", "bf16")
+
+
+def _depth_tuple(values: Iterable[int], name: str) -> tuple[int, ...]:
+    depths = tuple(values)
+    for d in depths:
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1:
+            raise ValueError(f"{name} must be positive integers, got {d!r}")
+    depths = tuple(int(d) for d in depths)
+    if len(set(depths)) != len(depths):
+        raise ValueError(f"{name} must not repeat a depth, got {list(depths)}")
+    return depths
+
+
+@dataclass(frozen=True)
+class DiagnosticOptions:
+    update_depths: tuple[int, ...] = (4, 16)
+    """Depths the update is computed at; the first is the reference, benefit is against the last."""
+    serving_depths: tuple[int, ...] = tuple(range(1, 17))
+    """Depths every updated model is evaluated at."""
+    depth_kwarg: str = "depth"
+    """Keyword the model's forward takes the depth as (e.g. 'num_steps' for Huginn)."""
+    isolate: str = "counterfactual"
+    """'counterfactual': Delta(g) - Delta(0); 'none': Delta(g); 'linear': first-order term of Delta at 0."""
+    rms_match: str = "reference"
+    """'reference' (to the first depth's RMS), 'geomean' (to the geometric mean), 'none', 'per-tensor'."""
+    lr: float | None = None
+    """Learning rate of the step; None uses each param group's own."""
+    grad_clip: float | None = None
+    """Clip the global gradient norm to this, as training does; None or 0 disables."""
+    precision: str = "fp32"
+    """'fp32' or 'bf16' (autocast) for the gradient passes, as in training; evaluation is fp32."""
+    eval_batch_size: int = 32
+    """Rows of the evaluation set per forward pass."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "update_depths", _depth_tuple(self.update_depths, "update_depths"))
+        object.__setattr__(self, "serving_depths", _depth_tuple(self.serving_depths, "serving_depths"))
+        if len(self.update_depths) < 2:
+            raise ValueError(f"update_depths needs at least two depths to compare, got {list(self.update_depths)}")
+        if not self.serving_depths:
+            raise ValueError("serving_depths must not be empty")
+        if not self.depth_kwarg.isidentifier():
+            raise ValueError(f"depth_kwarg must be a keyword name, got {self.depth_kwarg!r}")
+        if self.isolate not in ISOLATE_CHOICES:
+            raise ValueError(f"isolate must be one of {ISOLATE_CHOICES}, got {self.isolate!r}")
+        if self.rms_match not in RMS_MATCH_CHOICES:
+            raise ValueError(f"rms_match must be one of {RMS_MATCH_CHOICES}, got {self.rms_match!r}")
+        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a positive number, got {self.lr!r}")
+        if self.grad_clip is not None and not self.grad_clip >= 0:
+            raise ValueError(f"grad_clip must be >= 0, got {self.grad_clip!r}")
+        if self.precision not in PRECISION_CHOICES:
+            raise ValueError(f"precision must be one of {PRECISION_CHOICES}, got {self.precision!r}")
+        if self.eval_batch_size < 1:
+            raise ValueError(f"eval_batch_size must be >= 1, got {self.eval_batch_size}")
+
+
+# --- pure update arithmetic --------------------------------------------------------------------
+
+def _squared_norms(update: Sequence[Tensor]) -> Tensor:
+    """||u_p||^2 of every tensor, float64 [P], on the tensors' device (one sync when read)."""
+    if not update:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.stack([torch.linalg.vector_norm(u, dtype=torch.float64).square() for u in update])
+
+
+def global_rms(update: Sequence[Tensor]) -> float:
+    """sqrt(sum_p ||u_p||^2 / sum_p numel_p), accumulated in float64."""
+    numel = sum(u.numel() for u in update)
+    if numel == 0:
+        return 0.0
+    return math.sqrt(float(_squared_norms(update).sum()) / numel)
+
+
+def global_cosine(a: Sequence[Tensor], b: Sequence[Tensor]) -> float:
+    """<a, b> / (|a| |b|) over all tensors together, in float64; NaN when either is zero."""
+    dot = torch.stack([torch.dot(x.flatten().double(), y.flatten().double()) for x, y in zip(a, b)]).sum()
+    norm_a, norm_b = _squared_norms(a).sum().sqrt(), _squared_norms(b).sum().sqrt()
+    dot, norm_a, norm_b = (float(v) for v in torch.stack((dot, norm_a, norm_b)).cpu())
+    if norm_a == 0 or norm_b == 0:
+        return math.nan
+    return dot / (norm_a * norm_b)
+
+
+def _ratio(target: float, value: float) -> float:
+    # An update that is exactly zero cannot be scaled to anything; leave it as it is.
+    return target / value if value > 0 else 1.0
+
+
+def match_rms(updates: Sequence[Sequence[Tensor]], mode: str) -> tuple[list[list[Tensor]], list[float]]:
+    """Scale every update (one list of tensors per depth; the first is the reference).
+
+    reference:  u_K * RMS(u_ref) / RMS(u_K)
+    geomean:    u_K * G / RMS(u_K), G = exp(mean_K log RMS(u_K))
+    none:       u_K
+    per-tensor: every tensor u_K,p * RMS(u_ref,p) / RMS(u_K,p)
+    Returns the scaled updates and each depth's global scale RMS(scaled) / RMS(u_K).
+    """
+    if mode not in RMS_MATCH_CHOICES:
+        raise ValueError(f"rms_match must be one of {RMS_MATCH_CHOICES}, got {mode!r}")
+    rms = [global_rms(u) for u in updates]
+    if mode == "none":
+        return [list(u) for u in updates], [1.0] * len(updates)
+    if mode == "per-tensor":
+        numels = [t.numel() for t in updates[0]]
+        reference = [math.sqrt(n2 / n) if n else 0.0 for n2, n in zip(_squared_norms(updates[0]).tolist(), numels)]
+        matched = []
+        for u in updates:
+            own = [math.sqrt(n2 / n) if n else 0.0 for n2, n in zip(_squared_norms(u).tolist(), numels)]
+            matched.append([t * _ratio(r, o) for t, r, o in zip(u, reference, own)])
+        return matched, [_ratio(global_rms(m), r) for m, r in zip(matched, rms)]
+    if mode == "reference":
+        target = rms[0]
+    else:
+        positive = [r for r in rms if r > 0]
+        target = math.exp(sum(math.log(r) for r in positive) / len(positive)) if positive else 0.0
+    scales = [_ratio(target, r) for r in rms]
+    return [[t * s for t in u] for u, s in zip(updates, scales)], scales
+
+
+def clip_gradients(grads: list[Tensor], max_norm: float | None) -> list[Tensor]:
+    """Scale as `torch.nn.utils.clip_grad_norm_(params, max_norm)` would (out of place)."""
+    if not max_norm or not grads:
+        return grads
+    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    return [g * coef.to(g.device) for g in grads]
+
+
+def _logits(output) -> Tensor:
+    return output.logits if hasattr(output, "logits") else output
+
+
+def _check_tokens(tokens: Tensor, name: str) -> Tensor:
+    if not torch.is_tensor(tokens) or tokens.dim() != 2 or tokens.shape[1] < 2:
+        shape = tuple(tokens.shape) if torch.is_tensor(tokens) else type(tokens).__name__
+        raise ValueError(f"{name} must be an integer tensor [rows, T+1] with T >= 1, got {shape}")
+    if tokens.is_floating_point() or tokens.is_complex():
+        raise ValueError(f"{name} must hold integer token ids, got {tokens.dtype}")
+    return tokens.long()
+
+
+class _NllByDepth(nn.Module):
+    """Routes forward to `model.nll_by_depth` so functional_call can substitute weights."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: Tensor, targets: Tensor, depths: list[int]) -> Tensor:
+        return self.model.nll_by_depth(input_ids, targets, depths)
+
+
+# --- the diagnostic ----------------------------------------------------------------------------
+
+class UpdateDiagnostic:
+    """Everything one snapshot's units share: clones of theta and the optimizer state,
+    Delta(0) (computed once, on first use) and the NLL of theta itself.
+
+    Build it from the model and the optimizer as they are at the snapshot; later changes
+    to either are not seen. `compare(batch)` runs one unit.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, eval_tokens: Tensor,
+                 options: DiagnosticOptions = DiagnosticOptions()):
+        self.model = model
+        self.options = options
+        self.step: OptimizerStep = optimizer_step(optimizer, options.lr)
+        names_by_id = {id(p): name for name, p in model.named_parameters()}
+        stepped = []
+        for p in self.step.params:
+            if id(p) not in names_by_id:
+                raise ValueError("the optimizer holds a parameter that is not one of the model's parameters")
+            stepped.append(names_by_id[id(p)])
+        if len(set(stepped)) != len(stepped):
+            raise ValueError("the optimizer lists a parameter more than once")
+        values = {}
+        for name, p in model.named_parameters():
+            values[name] = p.detach().to(dtype=torch.float32, copy=True)
+        # The optimizer's clones are the same numbers: share them instead of holding two copies.
+        for name, theta in zip(stepped, self.step.theta):
+            values[name] = theta
+        self.theta: dict[str, Tensor] = values
+        """Parameter name -> fp32 clone (deduplicated names, as named_parameters gives them)."""
+        self.stepped: list[str] = stepped
+        """Names of the optimizer's parameters, in its flat order."""
+        self.requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
+        self.buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        self.device = next(iter(values.values())).device if values else torch.device("cpu")
+        self.eval_tokens = _check_tokens(eval_tokens, "eval_tokens").to(self.device)
+        self._delta0: list[Tensor] | None = None
+        self._nll_before: np.ndarray | None = None
+        self._nll_module = _NllByDepth(model) if callable(getattr(model, "nll_by_depth", None)) else None
+
+    # --- pieces, each usable on its own ---
+
+    def _state(self, params: dict[str, Tensor]) -> dict[str, Tensor]:
+        # Fresh buffer clones per call: a module that writes its buffers in forward
+        # (running statistics) must not leak one pass into the next.
+        return {**params, **{name: b.clone() for name, b in self.buffers.items()}}
+
+    def gradient(self, batch: Tensor, depth: int) -> tuple[float, list[Tensor]]:
+        """Training loss at `depth` on `batch` [B, T+1] and its gradient for the optimizer's
+        parameters (fp32, flat order; zeros where a parameter gets none), clipped over all
+        parameters as `clip_grad_norm_(model.parameters())` does in training."""
+        batch = _check_tokens(batch, "batch").to(self.device)
+        leaves = {name: t.detach().requires_grad_(self.requires_grad[name]) for name, t in self.theta.items()}
+        autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.options.precision == "bf16"
+                    else contextlib.nullcontext())
+        with torch.enable_grad(), autocast:
+            output = torch.func.functional_call(self.model, self._state(leaves), (batch[:, :-1],),
+                                                {self.options.depth_kwarg: int(depth)})
+        logits = _logits(output)  # [B, T, V]
+        targets = batch[:, 1:]
+        # Summed, then divided by the counted targets: the training loop's form, to the bit.
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum") / float((targets != IGNORE_INDEX).sum())
+        trainable = [name for name in leaves if self.requires_grad[name]]
+        grads = torch.autograd.grad(loss, [leaves[n] for n in trainable], allow_unused=True)
+        grads = [torch.zeros_like(leaves[n]) if g is None else g for n, g in zip(trainable, grads)]
+        by_name = dict(zip(trainable, clip_gradients(grads, self.options.grad_clip)))
+        flat = [by_name[n].float() if n in by_name else torch.zeros_like(self.theta[n])
+                for n in self.stepped]
+        return float(loss.detach()), flat
+
+    @property
+    def delta0(self) -> list[Tensor]:
+        """Delta(0): the step with a zero gradient (momentum drift and weight decay)."""
+        if self._delta0 is None:
+            self._delta0 = self.step.delta([torch.zeros_like(t) for t in self.step.theta])
+        return self._delta0
+
+    def update(self, grads: Sequence[Tensor]) -> list[Tensor]:
+        """u for one gradient under the chosen isolation (fp32, optimizer's flat order)."""
+        if self.options.isolate == "linear":
+            return self.step.linear(grads)
+        delta = self.step.delta(grads)
+        if self.options.isolate == "none":
+            return delta
+        return [d.sub_(d0) for d, d0 in zip(delta, self.delta0)]
+
+    def evaluate(self, update: Sequence[Tensor] | None = None) -> np.ndarray:
+        """Mean token NLL of theta + update on the evaluation set at every serving depth
+        (float64 [S]), token-weighted over chunks of rows."""
+        params = dict(self.theta)
+        if update is not None:
+            for name, u in zip(self.stepped, update):
+                params[name] = params[name] + u
+        depths = list(self.options.serving_depths)
+        total = torch.zeros(len(depths), dtype=torch.float64, device=self.device)
+        tokens = 0
+        with torch.no_grad():
+            for rows in self.eval_tokens.split(self.options.eval_batch_size):
+                inputs, targets = rows[:, :-1], rows[:, 1:]  # [b, T] each
+                count = int((targets != IGNORE_INDEX).sum())
+                if count == 0:
+                    continue
+                total += self._chunk_nll(params, inputs, targets, depths).double() * count
+                tokens += count
+        if tokens == 0:
+            raise ValueError("eval_tokens has no target that is not IGNORE_INDEX")
+        return (total / tokens).cpu().numpy()
+
+    def _chunk_nll(self, params: dict[str, Tensor], inputs: Tensor, targets: Tensor, depths: list[int]) -> Tensor:
+        if self._nll_module is not None:
+            state = {f"model.{k}": v for k, v in self._state(params).items()}
+            return torch.func.functional_call(self._nll_module, state, (inputs, targets, depths))
+        nll = []
+        for s in depths:
+            output = torch.func.functional_call(self.model, self._state(params), (inputs,),
+                                                {self.options.depth_kwarg: s})
+            logits = _logits(output)  # [b, T, V]
+            nll.append(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX))
+        return torch.stack(nll)
+
+    @property
+    def nll_before(self) -> np.ndarray:
+        """NLL of theta itself at every serving depth (float64 [S]), computed once."""
+        if self._nll_before is None:
+            self._nll_before = self.evaluate(None)
+        return self._nll_before
+
+    # --- one unit ---
+
+    def compare(self, batch: Tensor) -> xr.Dataset:
+        """Run the diagnostic on one batch [B, T+1]; see the module docstring."""
+        opts = self.options
+        losses, updates = [], []
+        for depth in opts.update_depths:
+            loss, grads = self.gradient(batch, depth)
+            losses.append(loss)
+            updates.append(self.update(grads))
+            del grads
+        raw_rms = [global_rms(u) for u in updates]
+        cosine = global_cosine(updates[0], updates[-1])
+        matched, scales = match_rms(updates, opts.rms_match)
+        del updates
+        nll = np.stack([self.evaluate(u) for u in matched])  # [update_depth, serving_depth]
+        return self._dataset(nll, losses, raw_rms, scales, cosine)
+
+    def _dataset(self, nll: np.ndarray, losses: list[float], raw_rms: list[float], scales: list[float],
+                 cosine: float) -> xr.Dataset:
+        opts = self.options
+        ud, sd = ("update_depth",), ("serving_depth",)
+        variables = {
+            "nll": (ud + sd, nll),
+            "nll_before": (sd, self.nll_before),
+            "benefit": (sd, nll[0] - nll[-1]),
+            "update_rms": (ud, np.asarray(raw_rms, dtype=np.float64)),
+            "rms_scale": (ud, np.asarray(scales, dtype=np.float64)),
+            "update_cosine": ((), np.float64(cosine)),
+            "train_loss": (ud, np.asarray(losses, dtype=np.float64)),
+        }
+        if len(opts.update_depths) > 2:
+            variables["benefit_all"] = (ud + sd, nll[0][None, :] - nll)
+        lrs = self.step.lrs
+        attrs = {"isolate": opts.isolate, "rms_match": opts.rms_match, "lr": lrs[0] if lrs else math.nan,
+                 "optimizer": self.step.optimizer_class, "grad_clip": float(opts.grad_clip or 0.0),
+                 "precision": opts.precision}
+        if len(set(lrs)) > 1:
+            attrs["group_lrs"] = json.dumps(lrs)
+        ds = xr.Dataset(variables, coords={"update_depth": list(opts.update_depths),
+                                           "serving_depth": list(opts.serving_depths)}, attrs=attrs)
+        ds["benefit"].attrs["description"] = (f"nll at update depth {opts.update_depths[0]} minus nll at update "
+                                              f"depth {opts.update_depths[-1]}; positive favours the latter")
+        return ds
+
+
+def compare_updates(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Tensor, eval_tokens: Tensor, *,
+                    update_depths: Sequence[int] = (4, 16), serving_depths: Iterable[int] = range(1, 17),
+                    depth_kwarg: str = "depth", isolate: str = "counterfactual", rms_match: str = "reference",
+                    lr: float | None = None, grad_clip: float | None = None, precision: str = "fp32",
+                    eval_batch_size: int = 32) -> xr.Dataset:
+    """The update diagnostic for one (snapshot, batch) unit; see `UpdateDiagnostic` and
+    docs/diagnostic.md. `batch` [B, T+1] and `eval_tokens` [E, T+1] are token ids.
+    The model and the optimizer are left bit-for-bit unchanged."""
+    options = DiagnosticOptions(update_depths=tuple(update_depths), serving_depths=tuple(serving_depths),
+                                depth_kwarg=depth_kwarg, isolate=isolate, rms_match=rms_match, lr=lr,
+                                grad_clip=grad_clip, precision=precision, eval_batch_size=eval_batch_size)
+    return UpdateDiagnostic(model, optimizer, eval_tokens, options).compare(batch)

@@ -1,0 +1,259 @@
+"""The optimizer's own step as a pure function of the gradient: Delta(g).
+
+    Delta(g) = theta' - theta, where theta' is what `optimizer.step()` would
+    produce from (theta, S) with gradient g. Nothing real is stepped: every call
+    works on fresh fp32 clones of theta and of the optimizer state S, taken
+    once when the step is built.
+
+Adam and AdamW (torch.optim.Adam/AdamW) and SGD run torch's own functional
+kernels (`torch.optim.adam.adam`, `torch.optim.sgd.sgd`) with the param
+group's hyperparameters, so Delta matches `optimizer.step()` to the bit on the
+same device. Any other torch.optim optimizer is deep-copied onto cloned
+parameters and stepped. `linear` is the first-order term of Delta at g = 0 in
+the direction of g, computed with `torch.func.jvp` of an out-of-place
+transcription of the same update rule (Adam, AdamW and SGD only).
+
+Tensors are handled as flat lists in the optimizer's order: every parameter
+of every param group, group by group.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+from torch.optim.adam import adam as adam_kernel
+from torch.optim.sgd import sgd as sgd_kernel
+
+
+def _as_float(value) -> float:
+    return float(value.item()) if torch.is_tensor(value) else float(value)
+
+
+def _fp32_clone(t: Tensor) -> Tensor:
+    return t.detach().to(dtype=torch.float32, copy=True) if t.is_floating_point() else t.detach().clone()
+
+
+@dataclass(frozen=True)
+class _Group:
+    """One param group's slice of the flat parameter list and its hyperparameters."""
+
+    start: int
+    """Index of the group's first parameter in the flat list."""
+    stop: int
+    """One past the group's last parameter."""
+    hyper: dict
+    """The group's settings (lr already overridden when asked), without 'params'."""
+
+
+class OptimizerStep:
+    """Delta(g) for one (theta, optimizer state) pair; build with `optimizer_step`."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, lr: float | None):
+        self.params: list[Tensor] = [p for group in optimizer.param_groups for p in group["params"]]
+        """The real parameters, in flat order (read only)."""
+        self.theta: list[Tensor] = [_fp32_clone(p) for p in self.params]
+        """fp32 clones of the parameters at construction."""
+        self.groups: list[_Group] = []
+        start = 0
+        for group in optimizer.param_groups:
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            if lr is not None:
+                hyper["lr"] = float(lr)
+            self.groups.append(_Group(start, start + len(group["params"]), hyper))
+            start += len(group["params"])
+        self.optimizer_class = type(optimizer).__name__
+
+    @property
+    def lrs(self) -> list[float]:
+        """The learning rate each param group's step uses."""
+        return [_as_float(g.hyper["lr"]) for g in self.groups]
+
+    def delta(self, grads: Sequence[Tensor]) -> list[Tensor]:
+        """Delta(g): the step's change of every parameter (fp32, flat order)."""
+        raise NotImplementedError
+
+    def linear(self, direction: Sequence[Tensor]) -> list[Tensor]:
+        """d/de Delta(e * direction) at e = 0 (fp32, flat order)."""
+        raise ValueError(f"isolate='linear' needs the update rule written out; it supports Adam, AdamW "
+                         f"and SGD, not {self.optimizer_class}")
+
+    def _check(self, grads: Sequence[Tensor]) -> list[Tensor]:
+        if len(grads) != len(self.theta):
+            raise ValueError(f"expected {len(self.theta)} gradients, got {len(grads)}")
+        return [g.detach().to(dtype=torch.float32, device=t.device) for g, t in zip(grads, self.theta)]
+
+
+class AdamStep(OptimizerStep):
+    """torch.optim.Adam / AdamW through `torch.optim.adam.adam`."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, lr: float | None):
+        super().__init__(optimizer, lr)
+        self.state: list[dict[str, Tensor]] = []
+        for group, g in zip(optimizer.param_groups, self.groups):
+            for p, theta in zip(group["params"], self.theta[g.start:g.stop]):
+                self.state.append(self._initial_state(optimizer.state.get(p, {}), theta, g.hyper))
+
+    @staticmethod
+    def _initial_state(state: dict, theta: Tensor, hyper: dict) -> dict[str, Tensor]:
+        if state:
+            return {k: (v.detach().clone() if k == "step" else _fp32_clone(v)) for k, v in state.items()}
+        # torch's lazy initialisation (Adam._init_group): step on the CPU unless capturable/fused.
+        on_device = hyper.get("capturable") or hyper.get("fused")
+        fresh = {"step": torch.zeros((), dtype=torch.float32, device=theta.device if on_device else "cpu"),
+                 "exp_avg": torch.zeros_like(theta), "exp_avg_sq": torch.zeros_like(theta)}
+        if hyper.get("amsgrad"):
+            fresh["max_exp_avg_sq"] = torch.zeros_like(theta)
+        return fresh
+
+    def delta(self, grads: Sequence[Tensor]) -> list[Tensor]:
+        grads = self._check(grads)
+        out: list[Tensor] = []
+        for g in self.groups:
+            params = [t.clone() for t in self.theta[g.start:g.stop]]
+            states = [{k: v.clone() for k, v in s.items()} for s in self.state[g.start:g.stop]]
+            h = g.hyper
+            beta1, beta2 = h["betas"]
+            adam_kernel(
+                params, grads[g.start:g.stop],
+                [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                [s["max_exp_avg_sq"] for s in states] if h.get("amsgrad") else [],
+                [s["step"] for s in states],
+                foreach=h.get("foreach"), capturable=h.get("capturable", False),
+                differentiable=False, fused=h.get("fused"),
+                decoupled_weight_decay=h.get("decoupled_weight_decay", False),
+                amsgrad=h.get("amsgrad", False), beta1=beta1, beta2=beta2, lr=h["lr"],
+                weight_decay=h["weight_decay"], eps=h["eps"], maximize=h.get("maximize", False))
+            out.extend(p.sub_(t) for p, t in zip(params, self.theta[g.start:g.stop]))
+        return out
+
+    def linear(self, direction: Sequence[Tensor]) -> list[Tensor]:
+        direction = self._check(direction)
+        out: list[Tensor] = []
+        for g in self.groups:
+            for i in range(g.start, g.stop):
+                def step(grad: Tensor, i=i) -> Tensor:
+                    return adam_delta(self.theta[i], grad, self.state[i], g.hyper)
+                zero = torch.zeros_like(direction[i])
+                out.append(torch.func.jvp(step, (zero,), (direction[i],))[1])
+        return out
+
+
+def adam_delta(theta: Tensor, grad: Tensor, state: dict[str, Tensor], hyper: dict) -> Tensor:
+    """Out-of-place transcription of torch's single-tensor Adam/AdamW step for one
+    parameter (differentiable in `grad`); returns theta' - theta."""
+    beta1, beta2 = (_as_float(b) for b in hyper["betas"])
+    lr, wd, eps = _as_float(hyper["lr"]), hyper["weight_decay"], hyper["eps"]
+    if hyper.get("maximize", False):
+        grad = -grad
+    param = theta
+    if wd != 0:
+        if hyper.get("decoupled_weight_decay", False):
+            param = param * (1 - lr * wd)
+        else:
+            grad = grad + wd * theta
+    step = _as_float(state["step"]) + 1
+    exp_avg = torch.lerp(state["exp_avg"], grad, 1 - beta1)
+    exp_avg_sq = state["exp_avg_sq"] * beta2 + (1 - beta2) * grad * grad
+    if hyper.get("amsgrad", False):
+        exp_avg_sq = torch.maximum(state["max_exp_avg_sq"], exp_avg_sq)
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
+    denom = _sqrt_flat_at_zero(exp_avg_sq) / bias_correction2_sqrt + eps
+    return param - (lr / bias_correction1) * exp_avg / denom - theta
+
+
+def _sqrt_flat_at_zero(v: Tensor) -> Tensor:
+    """sqrt(v) whose derivative is 0 where v = 0 instead of inf * 0 = nan. Exact for the
+    linear term: the second moment is zero at g = 0 only where its derivative is zero too,
+    so the denominator there is the constant eps."""
+    positive = v > 0
+    return torch.where(positive, v, torch.ones_like(v)).sqrt() * positive
+
+
+class SGDStep(OptimizerStep):
+    """torch.optim.SGD (momentum, dampening, nesterov, weight decay) through `torch.optim.sgd.sgd`."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, lr: float | None):
+        super().__init__(optimizer, lr)
+        self.buffers: list[Tensor | None] = []
+        for p in self.params:
+            buf = optimizer.state.get(p, {}).get("momentum_buffer")
+            self.buffers.append(None if buf is None else _fp32_clone(buf))
+
+    def delta(self, grads: Sequence[Tensor]) -> list[Tensor]:
+        grads = self._check(grads)
+        out: list[Tensor] = []
+        for g in self.groups:
+            params = [t.clone() for t in self.theta[g.start:g.stop]]
+            h = g.hyper
+            buffers = ([None if b is None else b.clone() for b in self.buffers[g.start:g.stop]]
+                       if h["momentum"] != 0 else [])
+            sgd_kernel(
+                params, grads[g.start:g.stop], buffers, foreach=h.get("foreach"), fused=h.get("fused"),
+                weight_decay=h["weight_decay"], momentum=h["momentum"], lr=h["lr"],
+                dampening=h["dampening"], nesterov=h["nesterov"], maximize=h.get("maximize", False))
+            out.extend(p.sub_(t) for p, t in zip(params, self.theta[g.start:g.stop]))
+        return out
+
+    def linear(self, direction: Sequence[Tensor]) -> list[Tensor]:
+        direction = self._check(direction)
+        out: list[Tensor] = []
+        for g in self.groups:
+            for i in range(g.start, g.stop):
+                def step(grad: Tensor, i=i) -> Tensor:
+                    return sgd_delta(self.theta[i], grad, self.buffers[i], g.hyper)
+                zero = torch.zeros_like(direction[i])
+                out.append(torch.func.jvp(step, (zero,), (direction[i],))[1])
+        return out
+
+
+def sgd_delta(theta: Tensor, grad: Tensor, buffer: Tensor | None, hyper: dict) -> Tensor:
+    """Out-of-place transcription of torch's single-tensor SGD step for one parameter
+    (differentiable in `grad`); returns theta' - theta."""
+    if hyper.get("maximize", False):
+        grad = -grad
+    if hyper["weight_decay"] != 0:
+        grad = grad + hyper["weight_decay"] * theta
+    momentum = hyper["momentum"]
+    if momentum != 0:
+        # torch starts the buffer at the first gradient itself, without dampening.
+        buf = grad if buffer is None else buffer * momentum + (1 - hyper["dampening"]) * grad
+        grad = grad + momentum * buf if hyper["nesterov"] else buf
+    return -_as_float(hyper["lr"]) * grad
+
+
+class DeepCopyStep(OptimizerStep):
+    """Any other optimizer: a deep copy bound to cloned parameters, stepped once per call."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, lr: float | None):
+        super().__init__(optimizer, lr)
+        self._template_params = [t.clone().requires_grad_(p.requires_grad) for t, p in zip(self.theta, self.params)]
+        memo = {id(p): t for p, t in zip(self.params, self._template_params)}
+        self._template = copy.deepcopy(optimizer, memo)
+        for group, g in zip(self._template.param_groups, self.groups):
+            group["lr"] = g.hyper["lr"]
+
+    def delta(self, grads: Sequence[Tensor]) -> list[Tensor]:
+        grads = self._check(grads)
+        params = [t.detach().clone().requires_grad_(t.requires_grad) for t in self._template_params]
+        stepped = copy.deepcopy(self._template, {id(t): p for t, p in zip(self._template_params, params)})
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        stepped.step()
+        return [p.detach().sub(t) for p, t in zip(params, self.theta)]
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, lr: float | None = None) -> OptimizerStep:
+    """Delta(g) for the optimizer's current parameters and state; `lr` overrides every group's LR.
+
+    Exact classes only: a subclass may change the step, so it goes through the deep copy."""
+    kind = type(optimizer)
+    if kind in (torch.optim.Adam, torch.optim.AdamW):
+        return AdamStep(optimizer, lr)
+    if kind is torch.optim.SGD:
+        return SGDStep(optimizer, lr)
+    return DeepCopyStep(optimizer, lr)

@@ -1,0 +1,359 @@
+"""`depthdiag diagnose`: every (snapshot, batch) unit of several snapshot files
+into one results file (DESIGN.md section 6), durably and resumably.
+
+Each finished unit is written atomically as its own small file in
+`OUT.parts/`; when all are done they are assembled into OUT (atomically) and
+the parts directory is removed. A manifest in the parts directory records the
+settings and the snapshots' sha256, so `--resume` continues only the same
+run, skipping every unit already on disk: a killed run loses at most the unit
+in flight and, resumed, ends with the same file as an uninterrupted run.
+
+Ordinary checkpoints (no `batches`) are accepted: their batches are the next
+ones the run itself would have drawn, `build_source(cfg.data).batch(cfg.train.seed,
+step + i, cfg.train.batch_size, cfg.train.seq_len)`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+import torch
+import xarray as xr
+from tqdm import tqdm
+
+from analysis.store import atomic_output, write_dataset
+from diag.engine import DiagnosticOptions, UpdateDiagnostic
+from trainer.checkpoint import Snapshot, load_snapshot
+from trainer.data import build_source
+from trainer.errors import InputError
+
+MANIFEST = "manifest.json"
+PER_UNIT = ("nll", "benefit", "benefit_all", "update_rms", "rms_scale", "update_cosine", "train_loss")
+"""Variables with a value per (snapshot, batch) unit; nll_before is per snapshot."""
+
+
+def parse_update_depths(text: str, option: str = "--update-depths") -> tuple[int, ...]:
+    """'4,16' or a mix with ranges such as '4,1-2' -> depths in the order written
+    (the order matters: the first is the reference)."""
+    depths: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        low, dash, high = part.partition("-")
+        try:
+            if dash:
+                first, last = int(low), int(high)
+                if first > last:
+                    raise ValueError
+                depths.extend(range(first, last + 1))
+            else:
+                depths.append(int(part))
+        except ValueError:
+            raise InputError(f"{option} {text!r}: expected depths like '4,16' or '1-16'") from None
+    return tuple(depths)
+
+
+@dataclass(frozen=True)
+class DiagnoseConfig:
+    snapshots: tuple[str, ...]
+    """Snapshot or checkpoint files of one model config (any order; sorted by (uniform_updates, step))."""
+    out: str
+    """Results file to write (HDF5); unit files go to OUT.parts/ until the run is complete."""
+    update_depths: tuple[int, ...] = (4, 16)
+    """Depths of the compared updates; the first is the reference."""
+    serving_depths: tuple[int, ...] = tuple(range(1, 17))
+    """Depths every updated model is evaluated at."""
+    batches: int | None = None
+    """Batches per snapshot; None: all a snapshot carries (checkpoints: the run's train.snapshot_batches)."""
+    isolate: str = "counterfactual"
+    """Isolation of the gradient's effect (see DiagnosticOptions)."""
+    rms_match: str = "reference"
+    """RMS matching of the updates (see DiagnosticOptions)."""
+    lr: float | None = None
+    """Override of the learning rate; None: the LR each snapshot's next update uses."""
+    eval_batch_size: int = 32
+    """Evaluation rows per forward pass."""
+    device: str = "auto"
+    """'auto' (cuda when available), 'cpu' or 'cuda'."""
+    resume: bool = False
+    """Continue an interrupted run with the same settings, skipping finished units."""
+    force: bool = False
+    """Discard an unfinished run's parts and an existing OUT and start over."""
+    progress: bool = True
+    """Show a progress bar over units (on a terminal)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "snapshots", tuple(str(p) for p in self.snapshots))
+        if not self.snapshots:
+            raise ValueError("no snapshot files given")
+        if self.batches is not None and self.batches < 1:
+            raise ValueError(f"--batches must be >= 1, got {self.batches}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.resume and self.force:
+            raise ValueError("--resume and --force contradict each other: pick one")
+        # Validates depths, isolate, rms_match, lr and eval_batch_size with the engine's own rules.
+        self.options(grad_clip=None, precision="fp32")
+
+    def options(self, grad_clip: float | None, precision: str) -> DiagnosticOptions:
+        return DiagnosticOptions(update_depths=self.update_depths, serving_depths=self.serving_depths,
+                                 isolate=self.isolate, rms_match=self.rms_match, lr=self.lr,
+                                 grad_clip=grad_clip, precision=precision, eval_batch_size=self.eval_batch_size)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """What the run needs to know of one snapshot file before computing anything."""
+
+    name: str
+    """Coordinate label: the file stem."""
+    path: str
+    """The file."""
+    sha256: str
+    """Hex digest of the file when the run started."""
+    step: int
+    """Update index of the snapshot."""
+    uniform_updates: int
+    """Updates since the switch to the finishing schedule."""
+    lr: float
+    """The learning rate of the diagnosed step."""
+    batches: int
+    """Units (batches) to run on it."""
+    batch_source: str
+    """'snapshot' (carried in the file) or 'data' (drawn from the run's data config)."""
+    config_json: str
+    """The run config stored in the file."""
+
+
+def _entries(config: DiagnoseConfig) -> list[_Entry]:
+    entries, first = [], None
+    for path in config.snapshots:
+        snap = load_snapshot(path)
+        if first is None:
+            first = snap
+        elif snap.config.model != first.config.model:
+            diff = sorted(k for k, v in snap.config.model.to_dict().items() if first.config.model.to_dict()[k] != v)
+            raise InputError(f"{path}: model config differs from {first.path} ({', '.join(diff)}); "
+                             "diagnose snapshots of one model at a time")
+        carried = None if snap.batches is None else int(snap.batches.shape[0])
+        wanted = config.batches or (carried if carried is not None else snap.config.train.snapshot_batches)
+        if carried is not None and wanted > carried:
+            raise InputError(f"{path}: carries {carried} batches, --batches asks for {wanted}")
+        entries.append(_Entry(name=Path(path).stem, path=str(path), sha256=snap.sha256, step=snap.step,
+                              uniform_updates=snap.uniform_updates,
+                              lr=float(config.lr if config.lr is not None else snap.lr), batches=wanted,
+                              batch_source="data" if carried is None else "snapshot",
+                              config_json=snap.config.to_json()))
+        del snap
+    names = [e.name for e in entries]
+    for entry in entries:
+        if names.count(entry.name) > 1:
+            raise InputError(f"{entry.path}: another snapshot has the same file name {entry.name!r}; "
+                             "the name labels the snapshot in the results")
+    return sorted(entries, key=lambda e: (e.uniform_updates, e.step))
+
+
+def _manifest(config: DiagnoseConfig, entries: list[_Entry]) -> dict:
+    """Everything that determines the results: a resumed run must agree on all of it."""
+    settings = {k: v for k, v in asdict(config).items() if k in ("update_depths", "serving_depths", "isolate",
+                                                                  "rms_match", "lr", "eval_batch_size")}
+    settings = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
+    return {"settings": settings,
+            "snapshots": [{"name": e.name, "sha256": e.sha256, "batches": e.batches} for e in entries]}
+
+
+def _part_path(parts: Path, entry: _Entry, batch: int) -> Path:
+    return parts / f"{entry.name}.b{batch:05d}.h5"
+
+
+def _write_json(value: dict, path: Path) -> None:
+    with atomic_output(path) as tmp:
+        tmp.write_text(json.dumps(value, sort_keys=True, indent=1), encoding="utf-8")
+
+
+def _prepare(config: DiagnoseConfig, manifest: dict, out: Path, parts: Path) -> bool:
+    """Check what is on disk against the flags; return False when OUT already holds this run."""
+    if parts.exists():
+        if config.force:
+            shutil.rmtree(parts)
+        elif not config.resume:
+            raise InputError(f"{parts}: an unfinished diagnose run is here; pass --resume to continue it "
+                             "or --force to start over")
+        else:
+            try:
+                stored = json.loads((parts / MANIFEST).read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError):
+                raise InputError(f"{parts}: no readable {MANIFEST}; pass --force to start over") from None
+            if stored != manifest:
+                raise InputError(f"{parts}: the unfinished run used other settings or snapshot files; "
+                                 "rerun it with those or pass --force to start over")
+            return True
+    if out.exists() and not config.force:
+        if config.resume and _finished_manifest(out) == manifest:
+            return False
+        raise InputError(f"{out}: already exists; pass --force to overwrite it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    parts.mkdir()
+    _write_json(manifest, parts / MANIFEST)
+    return True
+
+
+def _finished_manifest(out: Path) -> dict | None:
+    try:
+        with xr.open_dataset(out, engine="h5netcdf") as ds:
+            return json.loads(ds.attrs["diagnose_manifest"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda: no CUDA device is available")
+    return torch.device(name)
+
+
+def _load_again(entry: _Entry) -> Snapshot:
+    snap = load_snapshot(entry.path)
+    if snap.sha256 != entry.sha256:
+        raise InputError(f"{entry.path}: the file changed while the run was going")
+    return snap
+
+
+def _batches(entry: _Entry, snap: Snapshot):
+    """The entry's batches [B, T+1], in order."""
+    if snap.batches is not None:
+        return lambda i: snap.batches[i]
+    cfg = snap.config
+    source = build_source(cfg.data)
+    return lambda i: source.batch(cfg.train.seed, snap.step + i, cfg.train.batch_size, cfg.train.seq_len)
+
+
+def _run_units(config: DiagnoseConfig, entries: list[_Entry], parts: Path) -> None:
+    todo = {e.name: [i for i in range(e.batches) if not _part_path(parts, e, i).exists()] for e in entries}
+    total = sum(e.batches for e in entries)
+    done = total - sum(len(v) for v in todo.values())
+    device = _device(config.device)
+    with tqdm(total=total, initial=done, desc="diagnose", unit="unit",
+              disable=None if config.progress else True) as bar:
+        for entry in entries:
+            if not todo[entry.name]:
+                continue
+            snap = _load_again(entry)
+            model = snap.model(device)
+            optimizer = snap.optimizer(model)
+            options = config.options(grad_clip=snap.config.optim.grad_clip or None,
+                                     precision=snap.config.train.precision)
+            diagnostic = UpdateDiagnostic(model, optimizer, snap.eval_tokens, options)
+            warning = _bias_correction_warning(entry, optimizer)
+            if warning:
+                tqdm.write(warning, file=sys.stderr)
+            batch_at = _batches(entry, snap)
+            for i in todo[entry.name]:
+                bar.set_postfix_str(f"{entry.name} batch {i}")
+                unit = diagnostic.compare(batch_at(i))
+                write_dataset(unit.expand_dims(snapshot=[entry.name], batch=[i]), _part_path(parts, entry, i))
+                bar.update(1)
+            del diagnostic, optimizer, model, snap
+
+
+def _bias_correction_warning(entry: _Entry, optimizer: torch.optim.Optimizer) -> str | None:
+    """A warning when Adam's bias correction still dominates the step (docs/diagnostic.md)."""
+    if not isinstance(optimizer, torch.optim.Adam):
+        return None
+    beta2 = optimizer.param_groups[0]["betas"][1]
+    steps = [float(s["step"]) for s in optimizer.state.values() if "step" in s]
+    taken = min(steps) if steps else 0.0
+    if taken >= 3 / (1 - beta2):
+        return None
+    return (f"warning: {entry.path}: the optimizer has taken {taken:.0f} steps (< 3 / (1 - beta2) = "
+            f"{3 / (1 - beta2):.0f}); bias correction makes its updates sign-like, so the diagnostic reflects "
+            "normalisation more than curvature (docs/diagnostic.md)")
+
+
+def _git_commit() -> str:
+    try:
+        result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                                capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return result.stdout.strip() if result.returncode == 0 else "unknown"
+
+
+def _version() -> str:
+    try:
+        return metadata.version("depthdiag")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _assemble(config: DiagnoseConfig, entries: list[_Entry], manifest: dict, parts: Path) -> xr.Dataset:
+    n_batch = max(e.batches for e in entries)
+    arrays: dict[str, np.ndarray] = {}
+    dims: dict[str, tuple[str, ...]] = {}
+    nll_before = None
+    for s, entry in enumerate(entries):
+        for b in range(entry.batches):
+            with xr.open_dataset(_part_path(parts, entry, b), engine="h5netcdf") as unit:
+                unit = unit.load().isel(snapshot=0, batch=0)
+            if nll_before is None:
+                nll_before = np.full((len(entries), unit.sizes["serving_depth"]), np.nan)
+                for name in PER_UNIT:
+                    if name in unit:
+                        dims[name] = ("snapshot", "batch") + unit[name].dims
+                        arrays[name] = np.full((len(entries), n_batch) + unit[name].shape, np.nan)
+                attrs = dict(unit.attrs)
+            if b == 0:
+                nll_before[s] = unit["nll_before"].values
+            for name in arrays:
+                arrays[name][s, b] = unit[name].values
+    variables = {name: (dims[name], arrays[name]) for name in arrays}
+    variables["nll_before"] = (("snapshot", "serving_depth"), nll_before)
+    coords = {"snapshot": [e.name for e in entries],
+              "uniform_updates": ("snapshot", np.array([e.uniform_updates for e in entries], dtype=np.int64)),
+              "step": ("snapshot", np.array([e.step for e in entries], dtype=np.int64)),
+              "lr": ("snapshot", np.array([e.lr for e in entries], dtype=np.float64)),
+              "batch": np.arange(n_batch, dtype=np.int64),
+              "update_depth": np.array(config.update_depths, dtype=np.int64),
+              "serving_depth": np.array(config.serving_depths, dtype=np.int64)}
+    configs = {e.name: e.config_json for e in entries}
+    attrs = {"config": entries[0].config_json,
+             "isolate": config.isolate, "rms_match": config.rms_match,
+             "lr_override": float(config.lr) if config.lr is not None else "none",
+             "optimizer": str(attrs["optimizer"]), "grad_clip": float(attrs["grad_clip"]),
+             "precision": str(attrs["precision"]),
+             "depthdiag_version": _version(), "torch_version": str(torch.__version__), "git_commit": _git_commit(),
+             "snapshot_sha256": json.dumps({e.name: e.sha256 for e in entries}, sort_keys=True),
+             "snapshot_paths": json.dumps({e.name: e.path for e in entries}, sort_keys=True),
+             "batch_source": json.dumps({e.name: e.batch_source for e in entries}, sort_keys=True),
+             "diagnose_manifest": json.dumps(manifest, sort_keys=True),
+             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    if len(set(configs.values())) > 1:
+        attrs["snapshot_configs"] = json.dumps({k: json.loads(v) for k, v in configs.items()}, sort_keys=True)
+    ds = xr.Dataset(variables, coords=coords, attrs=attrs)
+    ds["benefit"].attrs["description"] = (f"nll after the update at depth {config.update_depths[0]} minus nll "
+                                          f"after the update at depth {config.update_depths[-1]}; positive "
+                                          "favours the deeper update")
+    return ds
+
+
+def diagnose(config: DiagnoseConfig) -> Path:
+    """Run every unit of `config` and write the results file; returns its path."""
+    out = Path(config.out)
+    parts = out.with_name(out.name + ".parts")
+    entries = _entries(config)
+    manifest = _manifest(config, entries)
+    if not _prepare(config, manifest, out, parts):
+        return out
+    _run_units(config, entries, parts)
+    write_dataset(_assemble(config, entries, manifest, parts), out)
+    shutil.rmtree(parts)
+    return out

@@ -1,0 +1,283 @@
+"""Snapshots and checkpoints: round trips, what a run writes, refusals of bad files, `depthdiag eval`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import xarray as xr
+from click.testing import CliRunner
+
+from diag.cli import main
+from trainer.checkpoint import FORMAT_VERSION, atomic_torch_save, build_optimizer, load_snapshot, save_snapshot
+from trainer.config import RunConfig
+from trainer.data import build_source
+from trainer.errors import InputError
+from trainer.model import LoopedTransformer
+from trainer.schedules import parse_schedule
+from trainer.train import clip_gradients, lr_at, train, training_loss
+
+WORDS = "a stitch in time saves nine but the early bird still catches the worm at dawn".split()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread, and far slower when threads contend for shared cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_config(directory: Path, **train_overrides) -> RunConfig:
+    corpus = directory / "corpus.txt"
+    rng = random.Random(1)
+    corpus.write_text(" ".join(rng.choice(WORDS) for _ in range(3000)), encoding="utf-8")
+    train_section = {"schedule": "fixed-first:k0=2,switch=0.5,finish=uniform:1-4", "updates": 8, "batch_size": 4,
+                     "seq_len": 16, "checkpoint_every": 1, "snapshot_uniform_updates": [0, 1],
+                     "snapshot_batches": 2, "device": "cpu", "log_every": 1}
+    train_section.update(train_overrides)
+    return RunConfig.from_dict({
+        "model": {"vocab_size": 256, "max_seq_len": 16, "d_model": 32, "n_heads": 2},
+        "data": {"source": "text", "path": str(corpus), "eval_sequences": 3},
+        "optim": {"lr": 3e-3, "warmup": 2},
+        "train": train_section})
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[RunConfig, Path]:
+    directory = tmp_path_factory.mktemp("run")
+    config = tiny_config(directory)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    train(config, directory / "run", progress=False)
+    torch.set_num_threads(threads)
+    return config, directory / "run"
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], dict):
+            assert_same_state(a[key], b[key])
+        elif isinstance(a[key], torch.Tensor):
+            assert torch.equal(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key
+
+
+# --- round trips --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer_name", ["adamw", "sgd"])
+def test_snapshot_round_trip_restores_the_exact_next_step(tmp_path, optimizer_name):
+    config = tiny_config(tmp_path).with_overrides([f"optim.name='{optimizer_name}'"])
+    torch.manual_seed(0)
+    model = LoopedTransformer(config.model)
+    optimizer = build_optimizer(model, config.optim)
+    tokens = torch.randint(0, 256, (4, 17))
+    for _ in range(2):
+        training_loss(model, tokens, depth=3).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    batches = torch.randint(0, 256, (2, 4, 17))
+    eval_tokens = torch.randint(0, 256, (3, 17))
+    path = save_snapshot(tmp_path / "s.pt", config=config, step=5, uniform_updates=1, model=model,
+                         optimizer=optimizer, lr=1.5e-3, batches=batches, eval_tokens=eval_tokens)
+
+    snapshot = load_snapshot(path)
+    assert (snapshot.step, snapshot.uniform_updates, snapshot.lr) == (5, 1, 1.5e-3)
+    assert snapshot.optimizer_class == type(optimizer).__name__
+    assert snapshot.config == config
+    assert torch.equal(snapshot.batches, batches) and torch.equal(snapshot.eval_tokens, eval_tokens)
+    assert snapshot.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    restored = snapshot.model()
+    assert_same_state(restored.state_dict(), model.state_dict())
+    restored_optimizer = snapshot.optimizer(restored)
+    assert_same_state(restored_optimizer.state_dict()["state"], optimizer.state_dict()["state"])
+    assert [g["lr"] for g in restored_optimizer.param_groups] == [1.5e-3, 1.5e-3]
+
+    # The restored pair takes bit-for-bit the step the original takes at the snapshot's LR.
+    for group in optimizer.param_groups:
+        group["lr"] = 1.5e-3
+    for m, opt in ((model, optimizer), (restored, restored_optimizer)):
+        training_loss(m, batches[0], depth=2).backward()
+        opt.step()
+    assert_same_state(restored.state_dict(), model.state_dict())
+
+
+def test_run_snapshots_carry_the_runs_state_batches_and_eval_set(run):
+    config, run_dir = run
+    tc = config.train
+    schedule = parse_schedule(tc.schedule, seed=tc.seed, total_updates=tc.updates)
+    source = build_source(config.data)
+    at_switch = load_snapshot(run_dir / "snapshots/u0000_step000004.pt")
+    after_one = load_snapshot(run_dir / "snapshots/u0001_step000005.pt")
+    assert (at_switch.step, at_switch.uniform_updates, after_one.step, after_one.uniform_updates) == (4, 0, 5, 1)
+    expected = torch.stack([source.batch(tc.seed, 4 + i, tc.batch_size, tc.seq_len) for i in range(2)])
+    assert torch.equal(at_switch.batches, expected)
+    assert torch.equal(at_switch.eval_tokens, source.eval_tokens(3, tc.seq_len))
+    assert at_switch.lr == lr_at(4, config.optim, tc.updates)
+    checkpoint = load_snapshot(run_dir / "checkpoints/step_000004.pt")
+    assert checkpoint.batches is None
+    assert_same_state(at_switch.model_state, checkpoint.model_state)
+    assert_same_state(at_switch.optimizer_state, checkpoint.optimizer_state)
+
+    # The snapshot's next batch, depth and LR reproduce the run's next update exactly.
+    model = at_switch.model()
+    optimizer = at_switch.optimizer(model)
+    training_loss(model, at_switch.batches[0], depth=schedule.depth_at(4)).backward()
+    clip_gradients(list(model.parameters()), config.optim.grad_clip)
+    optimizer.step()
+    assert_same_state(model.state_dict(), after_one.model_state)
+
+
+def test_every_file_a_run_writes_loads_safely(run):
+    _, run_dir = run
+    written = sorted(p for p in run_dir.rglob("*") if p.is_file())
+    assert {p.suffix for p in written} <= {".pt", ".json", ".jsonl", ""}
+    for path in written:
+        if path.suffix == ".pt":
+            payload = torch.load(path, weights_only=True)
+            assert payload["format_version"] == FORMAT_VERSION
+            assert RunConfig.from_json(payload["config"]) == run[0]
+        elif path.suffix == ".json":
+            json.loads(path.read_text())
+        elif path.suffix == ".jsonl":
+            [json.loads(line) for line in path.read_text().splitlines()]
+    assert (run_dir / "checkpoints/latest").read_text().strip() == "step_000008.pt"
+
+
+def test_atomic_save_leaves_nothing_when_the_write_fails(tmp_path):
+    target = tmp_path / "ckpt.pt"
+    target.write_bytes(b"previous")
+    with pytest.raises(Exception):
+        atomic_torch_save({"bad": lambda: None}, target)
+    assert target.read_bytes() == b"previous"
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+
+
+# --- bad files ----------------------------------------------------------------------------
+
+
+def rewrite(source: Path, target: Path, **changes) -> Path:
+    payload = torch.load(source, weights_only=True)
+    for key, value in changes.items():
+        if value is None:
+            del payload[key]
+        else:
+            payload[key] = value
+    torch.save(payload, target)
+    return target
+
+
+def bad_files(run_dir: Path, directory: Path) -> dict[str, tuple[Path, str]]:
+    snapshot = run_dir / "snapshots/u0000_step000004.pt"
+    truncated = directory / "truncated.pt"
+    data = snapshot.read_bytes()
+    truncated.write_bytes(data[: len(data) // 2])
+    return {
+        "truncated": (truncated, "truncated"),
+        "version": (rewrite(snapshot, directory / "version.pt", format_version=FORMAT_VERSION + 1), "format_version"),
+        "missing key": (rewrite(snapshot, directory / "nokey.pt", eval_tokens=None), "missing key(s) eval_tokens"),
+        "shape": (rewrite(snapshot, directory / "shape.pt", batches=torch.zeros(2, 3, 17, dtype=torch.int64)),
+                  "shape"),
+        "missing file": (directory / "absent.pt", "no such file"),
+        "not a dict": (_saved([1, 2], directory / "list.pt"), "not a depthdiag"),
+    }
+
+
+def _saved(value, path: Path) -> Path:
+    torch.save(value, path)
+    return path
+
+
+def test_load_snapshot_names_the_file_and_the_problem(run, tmp_path):
+    for label, (path, problem) in bad_files(run[1], tmp_path).items():
+        with pytest.raises(InputError) as err:
+            load_snapshot(path)
+        message = str(err.value)
+        assert message.startswith(f"{path}: ") and problem in message and "\n" not in message, label
+
+
+def test_cli_bad_inputs_exit_2_with_one_line_and_write_nothing(run, tmp_path):
+    config, run_dir = run
+    runner = CliRunner()
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    for label, (path, _) in bad_files(run_dir, inputs).items():
+        out = tmp_path / "out" / "eval.h5"
+        result = runner.invoke(main, ["eval", str(path), "--out", str(out), "--no-progress"])
+        assert result.exit_code == 2, (label, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and str(path) in lines[0], (label, result.stderr)
+        assert not (tmp_path / "out").exists(), label
+
+    bad_config = tmp_path / "bad.toml"
+    bad_config.write_text("[train]\nupdates = 4\nsurprise = 1\n")
+    result = runner.invoke(main, ["train", str(bad_config), "--out", str(tmp_path / "never")])
+    assert result.exit_code == 2 and "surprise" in result.stderr and str(bad_config) in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "never").exists()
+
+    # A resume whose newest checkpoint is damaged is refused before anything is touched.
+    damaged = tmp_path / "damaged"
+    (damaged / "checkpoints").mkdir(parents=True)
+    (damaged / "checkpoints/step_000004.pt").write_bytes((run_dir / "checkpoints/step_000004.pt").read_bytes()[:100])
+    config_file = tmp_path / "config.toml"
+    config_file.write_text(_toml(config))
+    result = runner.invoke(main, ["train", str(config_file), "--resume", str(damaged), "--no-progress"])
+    assert result.exit_code == 2 and "step_000004.pt" in result.stderr
+    assert sorted(p.name for p in damaged.rglob("*")) == ["checkpoints", "step_000004.pt"]
+
+
+def _toml(config: RunConfig) -> str:
+    lines = []
+    for section, values in config.to_dict().items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{key} = {json.dumps(value)}" for key, value in values.items())
+    return "\n".join(lines) + "\n"
+
+
+# --- depthdiag eval -----------------------------------------------------------------------
+
+
+def test_eval_matches_separate_forwards_and_writes_a_dataset(run, tmp_path):
+    _, run_dir = run
+    checkpoint = run_dir / "checkpoints/step_000008.pt"
+    out = tmp_path / "eval.h5"
+    result = CliRunner().invoke(main, ["eval", str(checkpoint), "--serving", "1-3,6", "--out", str(out),
+                                       "--batch-size", "2", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    ds = xr.load_dataset(out, engine="h5netcdf")
+    assert list(ds["serving_depth"].values) == [1, 2, 3, 6]
+    snapshot = load_snapshot(checkpoint)
+    model = snapshot.model()
+    tokens = snapshot.eval_tokens
+    with torch.no_grad():
+        for depth, nll in zip([1, 2, 3, 6], ds["nll"].values):
+            logits = model(tokens[:, :-1], depth=depth)
+            reference = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+            assert nll == pytest.approx(float(reference), rel=1e-5)
+    assert ds.attrs["checkpoint_sha256"] == snapshot.sha256 and ds.attrs["step"] == 8
+    assert "nll" in result.output and f"{ds['nll'].values[0]:.4f}" in result.output
+
+
+def test_eval_reports_bios_recall_per_serving_depth(tmp_path):
+    from trainer.bios import recall_bits
+    from trainer.evaluate import evaluate_checkpoint
+
+    config = RunConfig.from_dict({
+        "model": {"vocab_size": 256, "max_seq_len": 32, "d_model": 32, "n_heads": 2},
+        "data": {"source": "bios", "bios_people": 10, "eval_sequences": 2},
+        "train": {"schedule": "fixed:2", "updates": 2, "batch_size": 4, "seq_len": 32, "device": "cpu"}})
+    train(config, tmp_path / "run", progress=False)
+    checkpoint = tmp_path / "run/checkpoints/step_000002.pt"
+    ds = evaluate_checkpoint(checkpoint, [1, 3], device="cpu", progress=False)
+    snapshot = load_snapshot(checkpoint)
+    expected = recall_bits(snapshot.model(), build_source(config.data), [1, 3])
+    assert list(ds["recall_bits"].values) == [expected[1], expected[3]]

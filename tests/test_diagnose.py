@@ -1,0 +1,203 @@
+"""`depthdiag diagnose`: snapshot files in, one results file out; resume after a kill."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import xarray as xr
+from click.testing import CliRunner
+
+import diag
+from analysis.store import open_results
+from diag.cli import main
+from diag.run import DiagnoseConfig, diagnose, parse_update_depths
+from trainer.checkpoint import build_optimizer, load_snapshot, save_checkpoint, save_snapshot
+from trainer.config import DataConfig, OptimConfig, RunConfig, TrainConfig
+from trainer.data import build_source
+from trainer.errors import InputError
+from trainer.model import LoopedTransformer, ModelConfig
+
+SEQ, BATCH, CARRIED = 12, 4, 6
+UPDATE_DEPTHS, SERVING = (2, 5), (1, 2, 3, 5, 8)
+
+
+def run_config(d_model=32):
+    return RunConfig(model=ModelConfig(vocab_size=200, max_seq_len=SEQ, d_model=d_model, n_heads=2, n_prelude=1,
+                                       n_core=1, n_coda=1),
+                     data=DataConfig(bios_people=20, eval_sequences=8),
+                     optim=OptimConfig(lr=1e-2, grad_clip=1.0, warmup=0),
+                     train=TrainConfig(batch_size=BATCH, seq_len=SEQ, snapshot_batches=CARRIED, seed=3))
+
+
+def write_run(directory: Path, config=None):
+    """Two snapshots (0 and 2 uniform updates) and a checkpoint of one short run."""
+    config = config or run_config()
+    torch.manual_seed(0)
+    model = LoopedTransformer(config.model)
+    with torch.no_grad():
+        model.adapter.weight.normal_(0, 0.3)  # let the depth matter from the start
+    optimizer = build_optimizer(model, config.optim)
+    source = build_source(config.data)
+    eval_tokens = source.eval_tokens(config.data.eval_sequences, SEQ)
+    paths = {}
+    for step in range(5):
+        if step in (2, 4):
+            batches = torch.stack([source.batch(config.train.seed, step + i, BATCH, SEQ) for i in range(CARRIED)])
+            paths[step] = save_snapshot(directory / f"snap-u{step - 2:02d}.pt", config=config, step=step,
+                                        uniform_updates=step - 2, model=model, optimizer=optimizer, lr=7e-3,
+                                        batches=batches, eval_tokens=eval_tokens)
+        batch = source.batch(config.train.seed, step, BATCH, SEQ)
+        logits = model(batch[:, :-1], depth=2 + step % 3)
+        F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    paths["checkpoint"] = save_checkpoint(directory / "ckpt-000005.pt", config=config, step=5, uniform_updates=3,
+                                          model=model, optimizer=optimizer, lr=5e-3, eval_tokens=eval_tokens,
+                                          progress={"tokens": 0.0})
+    return paths
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return write_run(tmp_path_factory.mktemp("run"))
+
+
+def expected_unit(path, batch, **kwargs):
+    snap = load_snapshot(path)
+    model = snap.model()
+    return diag.compare_updates(model, snap.optimizer(model), batch, snap.eval_tokens, update_depths=UPDATE_DEPTHS,
+                                serving_depths=SERVING, grad_clip=snap.config.optim.grad_clip, **kwargs)
+
+
+def test_results_file_follows_the_schema_and_matches_compare_updates(run, tmp_path):
+    out = tmp_path / "results.h5"
+    config = DiagnoseConfig(snapshots=(str(run[4]), str(run[2])), out=str(out), update_depths=UPDATE_DEPTHS,
+                            serving_depths=SERVING, batches=2, progress=False)
+    assert diagnose(config) == out
+    assert not out.with_name("results.h5.parts").exists()
+    ds = open_results(out)
+    assert list(ds.snapshot.values) == ["snap-u00", "snap-u02"]  # sorted by uniform updates
+    assert list(ds.uniform_updates.values) == [0, 2] and list(ds.step.values) == [2, 4]
+    assert ds.nll.dims == ("snapshot", "batch", "update_depth", "serving_depth")
+    assert ds.sizes == {"snapshot": 2, "batch": 2, "update_depth": 2, "serving_depth": 5}
+    for s, step in enumerate((2, 4)):
+        snap = load_snapshot(run[step])
+        for b in range(2):
+            unit = expected_unit(run[step], snap.batches[b])
+            np.testing.assert_allclose(ds.nll.values[s, b], unit.nll.values, rtol=0, atol=1e-9)
+            np.testing.assert_allclose(ds.benefit.values[s, b], unit.benefit.values, rtol=0, atol=1e-9)
+            np.testing.assert_allclose(ds.update_rms.values[s, b], unit.update_rms.values, rtol=1e-9)
+            assert float(ds.update_cosine.values[s, b]) == pytest.approx(float(unit.update_cosine), abs=1e-9)
+        np.testing.assert_allclose(ds.nll_before.values[s], unit.nll_before.values, rtol=0, atol=1e-9)
+    assert ds.attrs["isolate"] == "counterfactual" and ds.attrs["rms_match"] == "reference"
+    assert set(json.loads(ds.attrs["snapshot_sha256"])) == {"snap-u00", "snap-u02"}
+    assert "torch_version" in ds.attrs and "config" in ds.attrs and "created" in ds.attrs
+    assert ds.lr.values.tolist() == [7e-3, 7e-3]
+
+
+def test_checkpoints_draw_the_runs_next_batches(run, tmp_path):
+    out = tmp_path / "ckpt.h5"
+    diagnose(DiagnoseConfig(snapshots=(str(run["checkpoint"]),), out=str(out), update_depths=UPDATE_DEPTHS,
+                            serving_depths=SERVING, batches=2, isolate="none", progress=False))
+    ds = open_results(out)
+    cfg = run_config()
+    batch = build_source(cfg.data).batch(cfg.train.seed, 5 + 1, BATCH, SEQ)
+    unit = expected_unit(run["checkpoint"], batch, isolate="none")
+    np.testing.assert_allclose(ds.nll.values[0, 1], unit.nll.values, rtol=0, atol=1e-9)
+    assert ds.attrs["batch_source"] == '{"ckpt-000005": "data"}' and ds.attrs["isolate"] == "none"
+
+
+def cli(*args):
+    return CliRunner().invoke(main, ["diagnose", *map(str, args)])
+
+
+def test_refusals_are_one_line_errors(run, tmp_path):
+    (tmp_path / "other").mkdir()
+    other = write_run(tmp_path / "other", run_config(d_model=16))
+    out = tmp_path / "r.h5"
+    result = cli(run[2], other[2], "--out", out)
+    assert result.exit_code == 2 and "model config differs" in result.output and "d_model" in result.output
+    no_optimizer = tmp_path / "no-opt.pt"
+    payload = torch.load(run[2], weights_only=True)
+    del payload["optimizer"]
+    torch.save(payload, no_optimizer)
+    result = cli(no_optimizer, "--out", out)
+    assert result.exit_code == 2 and "optimizer" in result.output and len(result.output.strip().splitlines()) == 1
+    result = cli(run[2], "--out", out, "--batches", CARRIED + 1)
+    assert result.exit_code == 2 and "carries 6 batches" in result.output
+    result = cli(run[2], "--out", out, "--update-depths", "4")
+    assert result.exit_code == 2 and "at least two" in result.output
+    assert cli(run[2], "--out", out, "--batches", 1, "--serving", "1-2", "--no-progress").exit_code == 0
+    result = cli(run[2], "--out", out, "--batches", 1, "--serving", "1-2")
+    assert result.exit_code == 2 and "already exists" in result.output
+    assert cli(run[2], "--out", out, "--batches", 1, "--serving", "1-2", "--force").exit_code == 0
+    # Resuming a finished run with the same settings has nothing to do; other settings are refused.
+    assert cli(run[2], "--out", out, "--batches", 1, "--serving", "1-2", "--resume").exit_code == 0
+    assert cli(run[2], "--out", out, "--batches", 1, "--serving", "1-3", "--resume").exit_code == 2
+    parts = tmp_path / "r.h5.parts"
+    parts.mkdir()
+    result = cli(run[2], "--out", out, "--batches", 1, "--serving", "1-2", "--force", "--resume")
+    assert result.exit_code == 2 and "contradict" in result.output
+    result = cli(run[2], "--out", out, "--batches", 1, "--serving", "1-2")
+    assert result.exit_code == 2 and "--resume" in result.output
+
+
+def test_parse_update_depths_keeps_the_order():
+    assert parse_update_depths("16,4") == (16, 4)
+    assert parse_update_depths("4,1-3") == (4, 1, 2, 3)
+    with pytest.raises(InputError):
+        parse_update_depths("4,x")
+
+
+def finished_parts(parts: Path) -> list[Path]:
+    # Hidden files are temporaries of the atomic writes the kill interrupted.
+    return [p for p in parts.glob("*.h5") if not p.name.startswith(".")] if parts.is_dir() else []
+
+
+def comparable(path):
+    with xr.open_dataset(path, engine="h5netcdf") as ds:
+        ds = ds.load()
+    del ds.attrs["created"]
+    return ds
+
+
+def test_killed_run_resumed_equals_uninterrupted_run(run, tmp_path, monkeypatch):
+    args = [run[2], run[4], "--update-depths", "2,8", "--serving", "1-8", "--no-progress"]
+    full = tmp_path / "full.h5"
+    assert cli(*args, "--out", full).exit_code == 0
+
+    out = tmp_path / "killed.h5"
+    parts = tmp_path / "killed.h5.parts"
+    # The same thread count as this process: float reductions may group differently otherwise.
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    proc = subprocess.Popen([sys.executable, "-m", "diag.cli", "diagnose", *map(str, args), "--out", str(out)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if len(finished_parts(parts)) >= 2:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()
+    finished = len(finished_parts(parts))
+    assert 2 <= finished < 2 * CARRIED and not out.exists()
+
+    result = cli(*args, "--out", out)
+    assert result.exit_code == 2 and "--resume" in result.output
+    computed = []
+    compare = diag.UpdateDiagnostic.compare
+    monkeypatch.setattr(diag.UpdateDiagnostic, "compare", lambda self, batch: computed.append(1) or compare(self, batch))
+    assert cli(*args, "--out", out, "--resume").exit_code == 0
+    assert len(computed) == 2 * CARRIED - finished  # finished units are reused, not recomputed
+    assert not parts.exists()
+    xr.testing.assert_identical(comparable(out), comparable(full))

@@ -1,0 +1,288 @@
+"""compare_updates against a reference built by hand in this file: real backward
+passes, `clip_grad_norm_` and `optimizer.step()` on deep copies, weights edited
+directly, NLL from separate `model(x, depth=s)` calls."""
+
+import copy
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import diag
+from diag.engine import DiagnosticOptions, UpdateDiagnostic, global_cosine, global_rms, match_rms
+from trainer.checkpoint import build_optimizer
+from trainer.config import OptimConfig
+from trainer.model import LoopedTransformer, ModelConfig
+
+VOCAB, SEQ = 48, 12
+UPDATE_DEPTHS, SERVING = (2, 6), tuple(range(1, 9))
+CLIP = 0.5
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    model = LoopedTransformer(ModelConfig(vocab_size=VOCAB, max_seq_len=SEQ, d_model=32, n_heads=2,
+                                          n_prelude=1, n_core=1, n_coda=1))
+    with torch.no_grad():
+        # The identity initialisation ignores the state, which would make every depth alike.
+        model.adapter.weight.normal_(0, 0.3)
+    return model
+
+
+def tokens(rows, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (rows, SEQ + 1), generator=gen)
+
+
+def train_loss(model, batch, depth_kwarg, depth):
+    out = model(batch[:, :-1], **{depth_kwarg: depth})
+    logits = getattr(out, "logits", out)
+    return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), ignore_index=-1)
+
+
+def trained(model, optimizer, steps, depth_kwarg="depth"):
+    for step in range(steps):
+        train_loss(model, tokens(4, 1000 + step), depth_kwarg, 2 + step % 3).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def adamw_setup(steps=3, lr=1e-2):
+    model = tiny_model()
+    return trained(model, build_optimizer(model, OptimConfig(lr=lr, weight_decay=0.1)), steps)
+
+
+# --- the independent reference --------------------------------------------------------------
+
+def reference_delta(model, optimizer, batch, depth, depth_kwarg, clip):
+    """Delta for the gradient at `depth` (None: a zero gradient), by stepping deep copies."""
+    m, opt = copy.deepcopy((model, optimizer))
+    if depth is None:
+        for p in m.parameters():
+            p.grad = torch.zeros_like(p)
+    else:
+        train_loss(m, batch, depth_kwarg, depth).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+        for p in m.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+    opt.step()
+    return {name: p.detach() - q.detach() for (name, p), q in zip(m.named_parameters(), model.parameters())}
+
+
+def reference_nll(model, eval_tokens, depth_kwarg, serving):
+    with torch.no_grad():
+        return np.array([float(train_loss(model, eval_tokens, depth_kwarg, s)) for s in serving])
+
+
+def reference_unit(model, optimizer, batch, eval_tokens, depths, serving, depth_kwarg="depth", clip=CLIP):
+    delta0 = reference_delta(model, optimizer, batch, None, depth_kwarg, clip)
+    updates = []
+    for depth in depths:
+        delta = reference_delta(model, optimizer, batch, depth, depth_kwarg, clip)
+        updates.append({name: delta[name] - delta0[name] for name in delta})
+
+    def rms(u):
+        return math.sqrt(sum(float((t.double() ** 2).sum()) for t in u.values()) / sum(t.numel() for t in u.values()))
+
+    raw = [rms(u) for u in updates]
+    nll = []
+    for u, r in zip(updates, raw):
+        updated = copy.deepcopy(model)
+        with torch.no_grad():
+            for name, p in updated.named_parameters():
+                p.add_(u[name] * (raw[0] / r))
+        nll.append(reference_nll(updated, eval_tokens, depth_kwarg, serving))
+    return np.stack(nll), raw, updates
+
+
+# --- tests ----------------------------------------------------------------------------------
+
+def test_unit_matches_hand_reference_at_every_serving_depth():
+    model, opt = adamw_setup()
+    batch, eval_tokens = tokens(4, 1), tokens(6, 2)
+    ds = diag.compare_updates(model, opt, batch, eval_tokens, update_depths=UPDATE_DEPTHS, serving_depths=SERVING,
+                              grad_clip=CLIP, eval_batch_size=4)
+    nll, raw, updates = reference_unit(model, opt, batch, eval_tokens, UPDATE_DEPTHS, SERVING)
+    np.testing.assert_allclose(ds.nll.values, nll, rtol=0, atol=2e-6)
+    # The benefit is a difference of nearby NLLs: compare it on its own scale.
+    assert np.abs(nll[0] - nll[1]).max() > 1e-4
+    np.testing.assert_allclose(ds.benefit.values, nll[0] - nll[1], rtol=0, atol=3e-6)
+    np.testing.assert_allclose(ds.nll_before.values, reference_nll(model, eval_tokens, "depth", SERVING), atol=2e-6)
+    np.testing.assert_allclose(ds.update_rms.values, raw, rtol=1e-4)
+    np.testing.assert_allclose(ds.rms_scale.values, [1.0, raw[0] / raw[1]], rtol=1e-4)
+    names = list(updates[0])
+    expected_cos = global_cosine([updates[0][n] for n in names], [updates[1][n] for n in names])
+    assert abs(float(ds.update_cosine) - expected_cos) < 1e-4
+    assert ds.attrs["isolate"] == "counterfactual" and ds.attrs["rms_match"] == "reference"
+    assert ds.attrs["lr"] == pytest.approx(1e-2)
+
+
+def test_updates_match_torch_steps_and_reference_rms_matching():
+    model, opt = adamw_setup()
+    batch = tokens(4, 3)
+    diagnostic = UpdateDiagnostic(model, opt, tokens(4, 4), DiagnosticOptions(update_depths=UPDATE_DEPTHS,
+                                                                               grad_clip=CLIP))
+    names = diagnostic.stepped
+    delta0 = reference_delta(model, opt, batch, None, "depth", CLIP)
+    for a, name in zip(diagnostic.delta0, names):
+        assert torch.equal(a, delta0[name])
+    updates = []
+    for depth in UPDATE_DEPTHS:
+        _, grads = diagnostic.gradient(batch, depth)
+        u = diagnostic.update(grads)
+        delta = reference_delta(model, opt, batch, depth, "depth", CLIP)
+        for a, name in zip(u, names):
+            torch.testing.assert_close(a, delta[name] - delta0[name], rtol=1e-4, atol=1e-7)
+        updates.append(u)
+    matched, scales = match_rms(updates, "reference")
+    assert [global_rms(m) for m in matched] == pytest.approx([global_rms(updates[0])] * 2, rel=1e-6)
+    assert scales[0] == 1.0
+
+
+def test_compare_updates_leaves_model_and_optimizer_bitwise_unchanged():
+    model, opt = adamw_setup()
+    params = list(model.parameters())
+    params[0].grad = torch.randn_like(params[0])  # a stale gradient the user left must survive
+    before_params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    before_grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    before_buffers = {n: b.clone() for n, b in model.named_buffers()}
+    before_opt = copy.deepcopy(opt.state_dict())
+    for isolate in ("counterfactual", "none", "linear"):
+        diag.compare_updates(model, opt, tokens(4, 5), tokens(4, 6), update_depths=UPDATE_DEPTHS,
+                             serving_depths=(1, 3), isolate=isolate, grad_clip=CLIP)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before_params[n])
+        assert (p.grad is None) == (before_grads[n] is None)
+        if p.grad is not None:
+            assert torch.equal(p.grad, before_grads[n])
+    for n, b in model.named_buffers():
+        assert torch.equal(b, before_buffers[n])
+    after_opt = opt.state_dict()
+    assert after_opt["param_groups"] == before_opt["param_groups"]
+    for key, state in before_opt["state"].items():
+        for name, value in state.items():
+            assert torch.equal(after_opt["state"][key][name], value)
+
+
+def test_more_than_two_update_depths_give_benefit_against_each():
+    model, opt = adamw_setup()
+    ds = diag.compare_updates(model, opt, tokens(4, 7), tokens(4, 8), update_depths=(2, 4, 6),
+                              serving_depths=(1, 2, 6), rms_match="geomean")
+    assert ds.benefit_all.dims == ("update_depth", "serving_depth")
+    np.testing.assert_array_equal(ds.benefit_all.values, ds.nll.values[0] - ds.nll.values)
+    np.testing.assert_array_equal(ds.benefit.values, ds.benefit_all.values[-1])
+    matched_rms = ds.update_rms.values * ds.rms_scale.values
+    np.testing.assert_allclose(matched_rms, np.exp(np.log(ds.update_rms.values).mean()), rtol=1e-9)
+    two = diag.compare_updates(model, opt, tokens(4, 7), tokens(4, 8))
+    assert "benefit_all" not in two and two.sizes == {"update_depth": 2, "serving_depth": 16}
+
+
+@dataclass
+class Output:
+    logits: torch.Tensor
+
+
+class HuginnStyle(nn.Module):
+    """Not this project's model: depth as `num_steps`, an output object, no nll_by_depth,
+    a parameter outside the graph, and a buffer written by every forward."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d)
+        self.core = nn.Sequential(nn.Linear(2 * d, d), nn.Tanh())
+        self.head = nn.Linear(d, VOCAB)
+        self.unused = nn.Parameter(torch.ones(3))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, input_ids, num_steps):
+        e = self.embed(input_ids)
+        state = torch.zeros_like(e)
+        for _ in range(num_steps):
+            state = self.core(torch.cat((state, e), dim=-1))
+        self.calls += 1
+        return Output(logits=self.head(state))
+
+
+def test_huginn_style_model_runs_with_num_steps():
+    torch.manual_seed(0)
+    model = HuginnStyle()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    trained(model, opt, 2, depth_kwarg="num_steps")
+    calls = int(model.calls)
+    batch, eval_tokens = tokens(4, 9), tokens(5, 10)
+    ds = diag.compare_updates(model, opt, batch, eval_tokens, update_depths=(1, 4), serving_depths=(1, 2, 4, 8),
+                              depth_kwarg="num_steps", grad_clip=CLIP, eval_batch_size=2)
+    assert int(model.calls) == calls
+    nll, _, _ = reference_unit(model, opt, batch, eval_tokens, (1, 4), (1, 2, 4, 8), depth_kwarg="num_steps")
+    np.testing.assert_allclose(ds.nll.values, nll, rtol=0, atol=2e-6)
+    np.testing.assert_allclose(ds.benefit.values, nll[0] - nll[1], rtol=0, atol=3e-6)
+    diagnostic = UpdateDiagnostic(model, opt, eval_tokens, DiagnosticOptions(depth_kwarg="num_steps"))
+    _, grads = diagnostic.gradient(batch, 3)
+    unused = grads[diagnostic.stepped.index("unused")]
+    assert torch.equal(unused, torch.zeros(3))
+
+
+def test_evaluation_weights_chunks_by_token_count():
+    model, opt = adamw_setup(steps=1)
+    eval_tokens = tokens(7, 11)
+    eval_tokens[[1, 4, 5], -1] = -1  # ignored targets make chunks unequal in token count
+    diagnostic = UpdateDiagnostic(model, opt, eval_tokens, DiagnosticOptions(serving_depths=(1, 3), eval_batch_size=3))
+    np.testing.assert_allclose(diagnostic.nll_before, reference_nll(model, eval_tokens, "depth", (1, 3)), atol=2e-6)
+    assert diagnostic.nll_before.dtype == np.float64
+
+
+def test_fresh_adamw_counterfactual_updates_are_lr_sign_like():
+    model = tiny_model()
+    opt = build_optimizer(model, OptimConfig(lr=1e-3, weight_decay=0.1))
+    diagnostic = UpdateDiagnostic(model, opt, tokens(2, 12))
+    _, grads = diagnostic.gradient(tokens(4, 13), 2)
+    for u, g in zip(diagnostic.update(grads), grads):
+        torch.testing.assert_close(u, -1e-3 * g / (g.abs() + 1e-8), rtol=1e-4, atol=2e-7)
+
+
+def test_linear_isolation_and_bf16_gradients_run():
+    model, opt = adamw_setup()
+    ds = diag.compare_updates(model, opt, tokens(4, 14), tokens(4, 15), update_depths=UPDATE_DEPTHS,
+                              serving_depths=(1, 2), isolate="linear", rms_match="per-tensor", precision="bf16")
+    assert np.isfinite(ds.nll.values).all() and ds.attrs["isolate"] == "linear"
+
+
+def test_match_rms_modes():
+    gen = torch.Generator().manual_seed(0)
+    updates = [[torch.randn(4, 3, generator=gen) * s, torch.randn(5, generator=gen) * 2 * s] for s in (1.0, 3.0, 0.5)]
+    rms = [global_rms(u) for u in updates]
+    for u, r in zip(updates, rms):
+        assert r == pytest.approx(math.sqrt(sum(float((t ** 2).sum()) for t in u) / 17))
+    matched, scales = match_rms(updates, "reference")
+    assert [global_rms(m) for m in matched] == pytest.approx([rms[0]] * 3)
+    matched, _ = match_rms(updates, "geomean")
+    assert [global_rms(m) for m in matched] == pytest.approx([math.prod(rms) ** (1 / 3)] * 3)
+    matched, scales = match_rms(updates, "none")
+    assert scales == [1.0] * 3 and all(torch.equal(a, b) for a, b in zip(matched[1], updates[1]))
+    matched, scales = match_rms(updates, "per-tensor")
+    for m in matched:
+        assert [global_rms([t]) for t in m] == pytest.approx([global_rms([t]) for t in updates[0]])
+    assert scales == pytest.approx([global_rms(m) / r for m, r in zip(matched, rms)])
+    # An exactly zero update cannot be scaled; it stays zero instead of becoming NaN.
+    zero = [[torch.zeros(3)], [torch.ones(3)]]
+    assert match_rms(zero[::-1], "reference")[1] == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"update_depths": (4,)}, "at least two"),
+    ({"update_depths": (4, 4)}, "repeat"),
+    ({"serving_depths": (0, 1)}, "positive"),
+    ({"isolate": "partial"}, "isolate"),
+    ({"rms_match": "max"}, "rms_match"),
+    ({"lr": -1.0}, "lr"),
+])
+def test_bad_options_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DiagnosticOptions(**kwargs)

@@ -1,0 +1,245 @@
+"""The training loop: LR schedule, loss going down, metrics, exact resume, refusals."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from trainer.checkpoint import load_snapshot
+from trainer.config import OptimConfig, RunConfig
+from trainer.errors import InputError
+from trainer.flops import update_flops
+from trainer.schedules import parse_schedule
+from trainer.train import latest_checkpoint, lr_at, train
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing in the old oak tree".split()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread, and far slower when threads contend for shared cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def text_corpus(directory: Path) -> Path:
+    rng = random.Random(0)
+    path = directory / "corpus.txt"
+    path.write_text(" ".join(rng.choice(WORDS) for _ in range(4000)), encoding="utf-8")
+    return path
+
+
+def tiny_config(corpus: Path, **train_overrides) -> RunConfig:
+    """d=32, byte-level text: a run of a few dozen updates takes seconds on one core."""
+    train_section = {"schedule": "fixed-first:k0=2,switch=0.5,finish=uniform:1-4", "updates": 12,
+                     "batch_size": 8, "seq_len": 16, "checkpoint_every": 4, "snapshot_uniform_updates": [0, 2],
+                     "snapshot_batches": 3, "device": "cpu", "log_every": 1}
+    train_section.update(train_overrides)
+    return RunConfig.from_dict({
+        "model": {"vocab_size": 256, "max_seq_len": 16, "d_model": 32, "n_heads": 2},
+        "data": {"source": "text", "path": str(corpus), "eval_sequences": 4},
+        "optim": {"lr": 3e-3, "warmup": 3},
+        "train": train_section})
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# --- learning rate ------------------------------------------------------------------------
+
+
+def reference_lrs(lr: float, warmup: int, decay_fraction: float, min_ratio: float, total: int) -> np.ndarray:
+    """Piecewise schedule built from ramps: warmup ramp, flat, decay ramp ending at min_ratio."""
+    factors = np.ones(total)
+    if warmup:
+        factors = np.minimum(factors, np.minimum(np.arange(1, total + 1) / warmup, 1.0))
+    decay = round(decay_fraction * total)
+    if decay:
+        ramp = np.linspace(1.0, min_ratio, decay + 1)[1:]  # the last update lands on min_ratio
+        factors[total - decay:] = np.minimum(factors[total - decay:], ramp)
+    return lr * factors
+
+
+@pytest.mark.parametrize("warmup,decay_fraction,min_ratio,total", [
+    (10, 0.2, 0.1, 100), (0, 0.1, 0.0, 50), (5, 0.0, 0.1, 30), (40, 0.5, 0.3, 60), (0, 1.0, 0.5, 7)])
+def test_lr_at_matches_piecewise_reference(warmup, decay_fraction, min_ratio, total):
+    optim = OptimConfig(lr=1e-3, warmup=warmup, decay_fraction=decay_fraction, min_lr_ratio=min_ratio)
+    got = np.array([lr_at(step, optim, total) for step in range(total)])
+    np.testing.assert_allclose(got, reference_lrs(1e-3, warmup, decay_fraction, min_ratio, total), rtol=1e-12)
+    assert lr_at(total + 5, optim, total) == pytest.approx(got[-1])
+
+
+def test_lr_at_rejects_negative_step():
+    with pytest.raises(ValueError):
+        lr_at(-1, OptimConfig(), 10)
+
+
+# --- the loop -----------------------------------------------------------------------------
+
+
+def test_loss_decreases_and_metrics_follow_the_schedule(tmp_path):
+    config = tiny_config(text_corpus(tmp_path), updates=40, checkpoint_every=0, snapshot_uniform_updates=[])
+    summary = train(config, tmp_path / "run", progress=False)
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == list(range(40))
+    losses = [r["loss"] for r in records]
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.5
+    assert summary.final_loss == losses[-1]
+
+    schedule = parse_schedule(config.train.schedule, seed=config.train.seed, total_updates=40)
+    assert [r["depth"] for r in records] == [schedule.depth_at(s) for s in range(40)]
+    assert [r["lr"] for r in records] == [lr_at(s, config.optim, 40) for s in range(40)]
+    tokens_per_update = config.train.batch_size * config.train.seq_len
+    assert [r["tokens"] for r in records] == [tokens_per_update * (s + 1) for s in range(40)]
+    modeled = np.cumsum([update_flops(config.model, schedule.depth_at(s), batch_size=8, seq_len=16)
+                         for s in range(40)])
+    np.testing.assert_allclose([r["flops"] for r in records], modeled, rtol=1e-12)
+    walls = [r["wall_time"] for r in records]
+    assert all(b > a for a, b in zip(walls, walls[1:]))
+
+
+def test_sgd_and_coarser_logging(tmp_path):
+    config = tiny_config(text_corpus(tmp_path), updates=9, log_every=4, checkpoint_every=0,
+                         snapshot_uniform_updates=[])
+    config = config.with_overrides(["optim.name='sgd'", "optim.lr=0.05"])
+    train(config, tmp_path / "run", progress=False)
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [3, 7, 8]
+    assert load_snapshot(latest_checkpoint(tmp_path / "run")).optimizer_class == "SGD"
+
+
+class Interrupt:
+    """Raises KeyboardInterrupt on the n-th modeled-FLOPs call, i.e. in the middle of update n-1."""
+
+    def __init__(self, real, n: int):
+        self.real, self.n, self.calls = real, n, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.n:
+            raise KeyboardInterrupt
+        return self.real(*args, **kwargs)
+
+
+def test_interrupt_then_resume_is_bit_exact(tmp_path, monkeypatch):
+    corpus = text_corpus(tmp_path)
+    config = tiny_config(corpus)  # 12 updates, checkpoints every 4
+    straight = tmp_path / "straight"
+    train(config, straight, progress=False)
+
+    resumed = tmp_path / "resumed"
+    import trainer.train as train_module
+    monkeypatch.setattr(train_module, "update_flops", Interrupt(update_flops, 7))
+    with pytest.raises(KeyboardInterrupt):
+        train(config, resumed, progress=False)
+    monkeypatch.undo()
+    assert latest_checkpoint(resumed).name == "step_000004.pt"  # at most one checkpoint interval lost
+    assert not list(resumed.rglob("*.tmp"))
+    summary = train(config, resumed, resume=True, progress=False)
+    assert summary.resumed_from == 4
+
+    assert [r["loss"] for r in read_metrics(resumed)] == [r["loss"] for r in read_metrics(straight)]
+    assert [r["step"] for r in read_metrics(resumed)] == list(range(12))
+    a, b = load_snapshot(straight / "checkpoints/step_000012.pt"), load_snapshot(resumed / "checkpoints/step_000012.pt")
+    for name, tensor in a.model_state.items():
+        assert torch.equal(tensor, b.model_state[name]), name
+    for index, state in a.optimizer_state["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, b.optimizer_state["state"][index][key]), (index, key)
+    assert a.progress["tokens"] == b.progress["tokens"] and a.progress["flops"] == b.progress["flops"]
+    for name in ("u0000_step000006.pt", "u0002_step000008.pt"):
+        sa, sb = load_snapshot(straight / "snapshots" / name), load_snapshot(resumed / "snapshots" / name)
+        assert all(torch.equal(v, sb.model_state[k]) for k, v in sa.model_state.items())
+
+
+def test_resume_with_another_config_is_refused_and_writes_nothing(tmp_path):
+    config = tiny_config(text_corpus(tmp_path), updates=4, snapshot_uniform_updates=[])
+    run = tmp_path / "run"
+    train(config, run, progress=False)
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    other = config.with_overrides(["train.updates=8", "optim.lr=0.01"])
+    with pytest.raises(InputError, match=r"step_000004\.pt: .*optim\.lr: 0\.003 -> 0\.01; train\.updates: 4 -> 8"):
+        train(other, run, resume=True, progress=False)
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
+
+
+def test_fresh_run_into_an_existing_run_is_refused(tmp_path):
+    config = tiny_config(text_corpus(tmp_path), updates=4, snapshot_uniform_updates=[])
+    train(config, tmp_path / "run", progress=False)
+    with pytest.raises(InputError, match="already holds a run"):
+        train(config, tmp_path / "run", progress=False)
+    with pytest.raises(InputError, match="no checkpoint to resume"):
+        train(config, tmp_path / "empty", resume=True, progress=False)
+
+
+def test_vocabulary_larger_than_the_model_is_refused(tmp_path):
+    config = tiny_config(text_corpus(tmp_path)).with_overrides(["model.vocab_size=100"])
+    with pytest.raises(InputError, match="model.vocab_size=100"):
+        train(config, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_cli_train_then_resume_a_finished_run(tmp_path):
+    from click.testing import CliRunner
+
+    from diag.cli import main
+
+    corpus = text_corpus(tmp_path)
+    config_file = tmp_path / "tiny.toml"
+    config_file.write_text(
+        "[model]\nvocab_size = 256\nmax_seq_len = 16\nd_model = 32\nn_heads = 2\n"
+        f'[data]\nsource = "text"\npath = "{corpus}"\neval_sequences = 2\n'
+        '[train]\nschedule = "fixed:2"\nupdates = 3\nbatch_size = 4\nseq_len = 16\ndevice = "cpu"\n')
+    runner = CliRunner()
+    run_dir = tmp_path / "run"
+    first = runner.invoke(main, ["train", str(config_file), "--out", str(run_dir), "--set", "train.log_every=1",
+                                 "--no-progress"])
+    assert first.exit_code == 0, first.output
+    last_loss = read_metrics(run_dir)[-1]["loss"]
+    assert f"final loss {last_loss:.4f}" in first.output
+
+    again = runner.invoke(main, ["train", str(config_file), "--resume", str(run_dir), "--set", "train.log_every=1",
+                                 "--no-progress"])
+    assert again.exit_code == 0, again.output
+    assert "resumed from 3" in again.output and f"final loss {last_loss:.4f}" in again.output
+
+    mismatch = runner.invoke(main, ["train", str(config_file), "--resume", str(run_dir), "--out", str(tmp_path / "x"),
+                                    "--set", "train.log_every=1"])
+    assert mismatch.exit_code == 2 and "--resume" in mismatch.stderr
+
+
+def test_bf16_autocast_trains(tmp_path):
+    config = tiny_config(text_corpus(tmp_path), updates=20, precision="bf16", checkpoint_every=0,
+                         snapshot_uniform_updates=[])
+    train(config, tmp_path / "run", progress=False)
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run")]
+    assert all(np.isfinite(losses)) and np.mean(losses[-3:]) < np.mean(losses[:3])
+    # Weights and optimizer state stay fp32 under autocast.
+    state = load_snapshot(latest_checkpoint(tmp_path / "run"))
+    assert {t.dtype for t in state.model_state.values()} == {torch.float32}
+
+
+@pytest.mark.slow
+def test_loss_decreases_on_the_tiny_config(tmp_path):
+    from trainer.config import load_config
+
+    config = load_config(Path(__file__).resolve().parents[1] / "configs/tiny.toml", [
+        "train.schedule='fixed:4'", "train.updates=60", "train.device='cpu'", "train.checkpoint_every=0",
+        "optim.warmup=10", "train.log_every=1"])
+    train(config, tmp_path / "run", progress=False)
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run")]
+    assert np.mean(losses[-10:]) < np.mean(losses[:10]) - 1.0
+
+
+def test_snapshots_past_the_end_are_reported_not_written(tmp_path):
+    config = tiny_config(text_corpus(tmp_path), updates=8, snapshot_uniform_updates=[0, 4, 5], checkpoint_every=0)
+    with pytest.warns(UserWarning, match=r"\[5\]: the run ends 4 updates after the switch"):
+        summary = train(config, tmp_path / "run", progress=False)
+    assert [Path(p).name for p in summary.snapshots] == ["u0000_step000004.pt", "u0004_step000008.pt"]

@@ -1,0 +1,305 @@
+"""Checkpoints and snapshots: single `torch.save` files of plain tensors, ints,
+strings and dicts, so every one loads with `torch.load(path, weights_only=True)`.
+
+A snapshot is a self-contained diagnostic input (weights, optimizer state, the
+LR of the next update, the next training batches, the evaluation set). A
+checkpoint carries the same keys minus `batches`, plus what resuming needs
+(RNG states and the run's counters). `load_snapshot` reads both kinds.
+
+Writes are atomic: a temporary file in the same directory, then `os.replace`,
+so an interrupted write never leaves a half-written file under the final name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import random
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+import numpy as np
+import torch
+
+from trainer.config import OptimConfig, RunConfig
+from trainer.errors import InputError
+from trainer.model import LoopedTransformer
+
+FORMAT_VERSION = 1
+"""Bumped whenever the meaning or layout of a key changes; files of another version are refused."""
+
+COMMON_KEYS = ("format_version", "config", "step", "uniform_updates", "model", "optimizer",
+               "optimizer_class", "lr", "eval_tokens")
+SNAPSHOT_KEYS = COMMON_KEYS + ("batches",)
+CHECKPOINT_KEYS = COMMON_KEYS + ("rng", "progress")
+
+OPTIMIZER_CLASSES = {"adamw": "AdamW", "sgd": "SGD"}
+
+
+def build_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
+    """The training optimizer over `model`'s parameters, in two param groups:
+    matrices (ndim >= 2, weight-decayed) first, then vectors (norm gains, no decay).
+    Loading a saved `optimizer` state requires exactly these groups."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    if optim.name == "adamw":
+        # foreach=False: the per-tensor kernel is what CPU uses anyway, and fixing it keeps
+        # resumed and diagnostic steps on the same arithmetic path on every device.
+        return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
+                                 foreach=False)
+    return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, foreach=False)
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG the process may draw from, as tensors and plain types."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _python_rng_state()}
+    np_name, np_keys, np_pos, np_gauss, np_cached = np.random.get_state()
+    state["numpy"] = {"name": np_name, "keys": torch.from_numpy(np_keys.astype(np.int64)),
+                      "pos": int(np_pos), "has_gauss": int(np_gauss), "cached_gaussian": float(np_cached)}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]["version"], state["python"]["internal"], state["python"]["gauss"]
+    random.setstate((version, tuple(internal.tolist()), None if gauss is None else float(gauss)))
+    np_state = state["numpy"]
+    np.random.set_state((np_state["name"], np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
+                         np_state["has_gauss"], np_state["cached_gaussian"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _python_rng_state() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    return {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss": gauss}
+
+
+@contextlib.contextmanager
+def _atomic_handle(path: str | Path, mode: str) -> Iterator[IO]:
+    """An open temporary file beside `path`; on success it is fsynced and moved over
+    `path` with os.replace, on any error (Ctrl-C included) removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        # mkstemp makes the file private (0600); the result should get the usual permissions.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        with os.fdopen(fd, mode) as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def atomic_torch_save(payload: dict[str, Any], path: str | Path) -> Path:
+    with _atomic_handle(path, "wb") as handle:
+        torch.save(payload, handle)
+    return Path(path)
+
+
+def atomic_write_text(text: str, path: str | Path) -> Path:
+    with _atomic_handle(path, "w") as handle:
+        handle.write(text)
+    return Path(path)
+
+
+def _state_payload(*, config: RunConfig, step: int, uniform_updates: int, model: torch.nn.Module,
+                   optimizer: torch.optim.Optimizer, lr: float, eval_tokens: torch.Tensor) -> dict[str, Any]:
+    return {"format_version": FORMAT_VERSION,
+            "config": config.to_json(),
+            "step": int(step),
+            "uniform_updates": int(uniform_updates),
+            "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+            "optimizer": _to_cpu(optimizer.state_dict()),
+            "optimizer_class": type(optimizer).__name__,
+            "lr": float(lr),
+            "eval_tokens": eval_tokens.detach().to("cpu", torch.int64)}
+
+
+def save_snapshot(path: str | Path, *, config: RunConfig, step: int, uniform_updates: int,
+                  model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr: float,
+                  batches: torch.Tensor, eval_tokens: torch.Tensor) -> Path:
+    """Write a diagnostic snapshot; `batches` int64 [n, B, T+1] are the next n training batches."""
+    payload = _state_payload(config=config, step=step, uniform_updates=uniform_updates, model=model,
+                             optimizer=optimizer, lr=lr, eval_tokens=eval_tokens)
+    payload["batches"] = batches.detach().to("cpu", torch.int64)
+    return atomic_torch_save(payload, path)
+
+
+def save_checkpoint(path: str | Path, *, config: RunConfig, step: int, uniform_updates: int,
+                    model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr: float,
+                    eval_tokens: torch.Tensor, progress: dict[str, float]) -> Path:
+    """Write a resumable checkpoint; `progress` holds the run's counters (tokens, flops, wall_time)."""
+    payload = _state_payload(config=config, step=step, uniform_updates=uniform_updates, model=model,
+                             optimizer=optimizer, lr=lr, eval_tokens=eval_tokens)
+    payload["rng"] = rng_state()
+    payload["progress"] = {k: float(v) for k, v in progress.items()}
+    return atomic_torch_save(payload, path)
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A loaded snapshot or checkpoint (validated)."""
+
+    path: Path
+    """The file it was read from."""
+    config: RunConfig
+    """The full run config the file was written under."""
+    step: int
+    """Updates completed when it was written (the next update has index `step`)."""
+    uniform_updates: int
+    """Updates since the switch to the finishing schedule (negative before it; 0 without a switch)."""
+    lr: float
+    """The learning rate the next update uses."""
+    optimizer_class: str
+    """'AdamW' or 'SGD'."""
+    batches: torch.Tensor | None
+    """int64 [n, B, T+1]: the next n training batches (None for ordinary checkpoints)."""
+    eval_tokens: torch.Tensor
+    """int64 [E, T+1]: the held-out evaluation set."""
+    sha256: str
+    """Hex digest of the file's bytes."""
+    model_state: dict[str, torch.Tensor] = field(repr=False)
+    """The model state_dict."""
+    optimizer_state: dict[str, Any] = field(repr=False)
+    """The optimizer state_dict."""
+    rng: dict[str, Any] | None = field(default=None, repr=False)
+    """RNG states (checkpoints only)."""
+    progress: dict[str, float] | None = field(default=None, repr=False)
+    """Run counters tokens, flops, wall_time (checkpoints only)."""
+
+    @property
+    def is_checkpoint(self) -> bool:
+        return self.batches is None
+
+    def model(self, device: str | torch.device = "cpu") -> LoopedTransformer:
+        """A LoopedTransformer with the stored weights (fp32, on `device`)."""
+        model = LoopedTransformer(self.config.model)
+        model.load_state_dict(self.model_state)
+        return model.to(device)
+
+    def optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        """The training optimizer over `model` with the stored state, its LR set to `lr`
+        (the next update's), so `optimizer.step()` takes exactly the run's next step."""
+        optimizer = build_optimizer(model, self.config.optim)
+        optimizer.load_state_dict(self.optimizer_state)
+        for group in optimizer.param_groups:
+            group["lr"] = self.lr
+        return optimizer
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return text[:200] if text else type(err).__name__
+
+
+def load_snapshot(path: str | Path) -> Snapshot:
+    """Read and validate a snapshot or checkpoint; any problem raises InputError "PATH: problem"."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: no such file")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises RuntimeError, EOFError, UnpicklingError... for damaged files
+        raise InputError(f"{path}: truncated or not a depthdiag snapshot/checkpoint ({_one_line(err)})") from None
+    if not isinstance(payload, dict):
+        raise InputError(f"{path}: not a depthdiag snapshot/checkpoint (top level is {type(payload).__name__})")
+    version = payload.get("format_version")
+    if version != FORMAT_VERSION:
+        raise InputError(f"{path}: format_version {version!r}, this depthdiag reads format_version {FORMAT_VERSION}")
+    missing = [k for k in COMMON_KEYS if k not in payload]
+    is_snapshot = "batches" in payload
+    if not is_snapshot:
+        missing += [k for k in ("rng", "progress") if k not in payload]
+    if missing:
+        raise InputError(f"{path}: missing key(s) {', '.join(missing)}")
+    if not isinstance(payload["config"], str):
+        raise InputError(f"{path}: 'config' must be a JSON string")
+    config = RunConfig.from_json(payload["config"], source=f"{path} (stored config)")
+    for key in ("step", "uniform_updates"):
+        if not isinstance(payload[key], int):
+            raise InputError(f"{path}: '{key}' must be an int")
+    if payload["step"] < 0:
+        raise InputError(f"{path}: negative step {payload['step']}")
+    expected_class = OPTIMIZER_CLASSES[config.optim.name]
+    if payload["optimizer_class"] != expected_class:
+        raise InputError(f"{path}: optimizer_class {payload['optimizer_class']!r} does not match "
+                         f"optim.name={config.optim.name!r}")
+    if not isinstance(payload["lr"], float):
+        raise InputError(f"{path}: 'lr' must be a float")
+    T1 = config.train.seq_len + 1
+    eval_tokens = _check_tokens(path, "eval_tokens", payload["eval_tokens"],
+                                (config.data.eval_sequences, T1), config.model.vocab_size)
+    batches = None
+    if is_snapshot:
+        batches = _check_tokens(path, "batches", payload["batches"],
+                                (config.train.snapshot_batches, config.train.batch_size, T1),
+                                config.model.vocab_size)
+    _check_model_state(path, config, payload["model"])
+    _check_optimizer_state(path, payload["optimizer"])
+    return Snapshot(path=path, config=config, step=payload["step"], uniform_updates=payload["uniform_updates"],
+                    lr=payload["lr"], optimizer_class=payload["optimizer_class"], batches=batches,
+                    eval_tokens=eval_tokens, sha256=_sha256(path), model_state=payload["model"],
+                    optimizer_state=payload["optimizer"], rng=payload.get("rng"),
+                    progress=payload.get("progress"))
+
+
+def _check_tokens(path: Path, key: str, value: Any, shape: tuple[int, ...], vocab_size: int) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.int64:
+        raise InputError(f"{path}: '{key}' must be an int64 tensor")
+    if tuple(value.shape) != shape:
+        raise InputError(f"{path}: '{key}' has shape {list(value.shape)}, the stored config implies {list(shape)}")
+    if value.numel() and (int(value.min()) < 0 or int(value.max()) >= vocab_size):
+        raise InputError(f"{path}: '{key}' holds token ids outside [0, {vocab_size})")
+    return value
+
+
+def _check_model_state(path: Path, config: RunConfig, state: Any) -> None:
+    if not isinstance(state, dict):
+        raise InputError(f"{path}: 'model' must be a state_dict")
+    with torch.device("meta"):
+        reference = LoopedTransformer(config.model).state_dict()
+    missing = sorted(set(reference) - set(state))
+    unexpected = sorted(set(state) - set(reference))
+    if missing or unexpected:
+        raise InputError(f"{path}: model state_dict does not match the stored config "
+                         f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    for name, tensor in reference.items():
+        if not isinstance(state[name], torch.Tensor) or state[name].shape != tensor.shape:
+            raise InputError(f"{path}: model weight {name} has the wrong shape for the stored config")
+
+
+def _check_optimizer_state(path: Path, state: Any) -> None:
+    if not isinstance(state, dict) or "state" not in state or "param_groups" not in state:
+        raise InputError(f"{path}: 'optimizer' must be an optimizer state_dict")
+    if len(state["param_groups"]) != 2:
+        raise InputError(f"{path}: optimizer state has {len(state['param_groups'])} param groups, expected 2")

@@ -1,0 +1,367 @@
+"""The training loop, one for every depth schedule.
+
+Update `step` (0-based) trains at depth `schedule.depth_at(step)` on the global
+batch `source.batch(train.seed, step, ...)` with learning rate `lr_at(step)`;
+all three are pure functions of the step, so a resumed run and every torchrun
+rank agree without communication.
+
+A run directory holds:
+
+    config.json                    the run config (JSON)
+    metrics.jsonl                  one line per log_every updates (see `train`)
+    checkpoints/step_XXXXXX.pt     resumable state after XXXXXX updates; `latest` names the newest
+    snapshots/uNNNN_stepXXXXXX.pt  diagnostic inputs NNNN updates after the switch
+    summary.json                   written when the run finishes
+
+Run it with `depthdiag train CONFIG` or, distributed,
+`torchrun --nproc_per_node=N -m trainer.train CONFIG [--out DIR] [--set k=v] [--resume DIR]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from trainer.checkpoint import (atomic_write_text, build_optimizer, load_snapshot, save_checkpoint,
+                                save_snapshot, set_rng_state)
+from trainer.config import OptimConfig, RunConfig, load_config
+from trainer.data import build_source
+from trainer.distributed import (World, all_gather_ints, all_reduce_int, all_reduce_sum, barrier, init_world,
+                                 shutdown_world)
+from trainer.errors import InputError
+from trainer.flops import update_flops
+from trainer.model import IGNORE_INDEX, LoopedTransformer
+from trainer.schedules import parse_schedule
+
+CHECKPOINT_DIR = "checkpoints"
+SNAPSHOT_DIR = "snapshots"
+LATEST = "latest"
+
+
+def lr_at(step: int, optim: OptimConfig, total_updates: int) -> float:
+    """Learning rate of update `step` (0-based): linear warmup over `warmup` updates
+    (update i uses (i+1)/warmup of the peak), constant, then linear decay over the
+    last `decay_fraction` of the run reaching min_lr_ratio * lr at the last update.
+    Where warmup and decay overlap the smaller factor wins; steps past the end keep
+    the final LR."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    factor = 1.0
+    if optim.warmup:
+        factor = min(factor, (step + 1) / optim.warmup)
+    decay_updates = round(optim.decay_fraction * total_updates)
+    if decay_updates:
+        done = min(step - (total_updates - decay_updates) + 1, decay_updates)
+        if done > 0:
+            factor = min(factor, 1.0 - (1.0 - optim.min_lr_ratio) * done / decay_updates)
+    return optim.lr * factor
+
+
+def snapshot_name(uniform_updates: int, step: int) -> str:
+    return f"u{uniform_updates:04d}_step{step:06d}.pt"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:06d}.pt"
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The checkpoint `latest` names, or the highest-step one when the pointer is missing or stale."""
+    directory = Path(run_dir) / CHECKPOINT_DIR
+    pointer = directory / LATEST
+    if pointer.is_file():
+        named = directory / pointer.read_text(encoding="utf-8").strip()
+        if named.is_file():
+            return named
+    candidates = sorted(directory.glob("step_[0-9][0-9][0-9][0-9][0-9][0-9].pt"))
+    return candidates[-1] if candidates else None
+
+
+def counted_targets(batch: torch.Tensor) -> int:
+    """Targets of `batch` int64 [B, T+1] that the loss counts (not IGNORE_INDEX)."""
+    return int((batch[:, 1:] != IGNORE_INDEX).sum())
+
+
+def loss_sum_of(model: torch.nn.Module, batch: torch.Tensor, depth: int, *,
+                precision: str = "fp32") -> torch.Tensor:
+    """Summed token cross-entropy of `batch` int64 [B, T+1] at `depth`: inputs
+    batch[:, :-1], targets batch[:, 1:], IGNORE_INDEX skipped; the forward runs under
+    bf16 autocast when precision='bf16', the loss in fp32."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    autocast = torch.autocast(device_type=batch.device.type, dtype=torch.bfloat16) \
+        if precision == "bf16" else contextlib.nullcontext()
+    with autocast:
+        logits = model(inputs, depth=depth)  # [B, T, V]
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def training_loss(model: torch.nn.Module, batch: torch.Tensor, depth: int, *,
+                  precision: str = "fp32") -> torch.Tensor:
+    """The loss one single-process training update differentiates: mean token
+    cross-entropy of `batch` int64 [B, T+1] at `depth` (bit-identical to the loop's)."""
+    return loss_sum_of(model, batch, depth, precision=precision) / float(counted_targets(batch))
+
+
+def clip_gradients(params: list[torch.Tensor], grad_clip: float) -> torch.Tensor:
+    """Clip the global gradient norm to `grad_clip` (0: no clipping); returns the norm before clipping."""
+    if grad_clip:
+        return torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+
+
+@dataclass(frozen=True)
+class TrainSummary:
+    """What a finished run reports (also written to run_dir/summary.json)."""
+
+    run_dir: str
+    """The run directory."""
+    updates: int
+    """Updates completed."""
+    resumed_from: int
+    """Step the run resumed from (0 for a fresh run)."""
+    final_loss: float
+    """Mean training loss over the last logging interval."""
+    tokens: int
+    """Training tokens consumed over the whole run (global)."""
+    flops: float
+    """Cumulative modeled FLOPs over the whole run."""
+    wall_time: float
+    """Seconds of training (checkpoint writes included) over the whole run, resumes included."""
+    checkpoints: tuple[str, ...]
+    """Checkpoints this invocation wrote."""
+    snapshots: tuple[str, ...]
+    """Snapshots this invocation wrote."""
+
+
+def _config_differences(stored: RunConfig, given: RunConfig) -> list[str]:
+    before, after = stored.to_dict(), given.to_dict()
+    return [f"{section}.{key}: {before[section][key]!r} -> {after[section][key]!r}"
+            for section in before for key in before[section] if before[section][key] != after[section][key]]
+
+
+def _start_metrics(path: Path, keep_before: int) -> float:
+    """Keep the metrics lines of updates before `keep_before` (a resume repeats the rest);
+    an unparsable tail from an interrupted write is dropped. Returns the last kept loss (NaN if none)."""
+    kept, last_loss = [], float("nan")
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("step", keep_before) < keep_before:
+                kept.append(line)
+                last_loss = record.get("loss", last_loss)
+    atomic_write_text("".join(f"{line}\n" for line in kept), path)
+    return last_loss
+
+
+def train(config: RunConfig, out_dir: str | Path, *, resume: bool = False, progress: bool = True) -> TrainSummary:
+    """Train `config` into `out_dir` (see the module docstring); under torchrun each
+    process calls this and rank 0 writes every file. `resume=True` continues from the
+    newest checkpoint in `out_dir` and refuses a config that differs from the stored one.
+
+    metrics.jsonl lines: step (0-based index of the update), depth, loss (token-weighted
+    mean over the updates since the previous line), lr, grad_norm (before clipping),
+    tokens and flops (cumulative, this update included), wall_time (seconds since the run
+    began, time between an interruption and its resume excluded), and under
+    torchrun rank_depths (the depth every rank used at this update)."""
+    run_dir = Path(out_dir)
+    world = init_world(config.train.device)
+    try:
+        return _train(config, run_dir, world, resume=resume, progress=progress)
+    finally:
+        shutdown_world(world)
+
+
+def _train(config: RunConfig, run_dir: Path, world: World, *, resume: bool, progress: bool) -> TrainSummary:
+    tc = config.train
+    if tc.batch_size % world.world_size:
+        raise InputError(f"train.batch_size={tc.batch_size}: not divisible by the {world.world_size} processes")
+    schedule = parse_schedule(tc.schedule, seed=tc.seed, total_updates=tc.updates)
+    source = build_source(config.data)
+    if config.model.vocab_size < source.vocab_size:
+        raise InputError(f"model.vocab_size={config.model.vocab_size} is smaller than the data's vocabulary "
+                         f"({source.vocab_size} tokens)")
+    eval_tokens = source.eval_tokens(config.data.eval_sequences, tc.seq_len)  # [E, T+1]
+
+    torch.manual_seed(tc.seed)
+    model = LoopedTransformer(config.model)  # initialised on CPU, so every device starts from the same weights
+    start, counters = 0, {"tokens": 0.0, "flops": 0.0, "wall_time": 0.0}
+    checkpoint_path = latest_checkpoint(run_dir)
+    state = None
+    if resume:
+        if checkpoint_path is None:
+            raise InputError(f"{run_dir}: no checkpoint to resume from")
+        state = load_snapshot(checkpoint_path)
+        differences = _config_differences(state.config, config)
+        if differences:
+            raise InputError(f"{checkpoint_path}: the run was trained with another config "
+                             f"({'; '.join(differences)}); resume with the stored {run_dir / 'config.json'} "
+                             "or train into a new directory")
+        model.load_state_dict(state.model_state)
+        set_rng_state(state.rng)
+        start, counters = state.step, dict(state.progress)
+    elif checkpoint_path is not None:
+        raise InputError(f"{run_dir}: already holds a run ({checkpoint_path.name}); resume it or choose another output")
+    model.to(world.device)
+    optimizer = build_optimizer(model, config.optim)  # after the move: loaded state follows the parameters' device
+    if state is not None:
+        optimizer.load_state_dict(state.optimizer_state)
+    # Every parameter takes part at every depth, so DDP needs no unused-parameter search.
+    ddp = DistributedDataParallel(model, device_ids=[world.device.index] if world.device.type == "cuda" else None) \
+        if world.distributed else None
+    forward = ddp if ddp is not None else model
+
+    final_loss = float("nan")  # rank 0 knows it from the kept metrics of a resumed run
+    if world.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n", run_dir / "config.json")
+        final_loss = _start_metrics(run_dir / "metrics.jsonl", keep_before=start)
+    barrier(world)
+
+    switch = schedule.switch_step
+    snapshot_at = {} if switch is None else {switch + n: n for n in tc.snapshot_uniform_updates
+                                             if switch + n <= tc.updates}
+    beyond = [n for n in tc.snapshot_uniform_updates if switch is not None and switch + n > tc.updates]
+    if beyond and world.is_main:
+        warnings.warn(f"train.snapshot_uniform_updates {beyond}: the run ends {tc.updates - switch} updates "
+                      "after the switch, so these snapshots are not written", stacklevel=2)
+    written_checkpoints: list[str] = []
+    written_snapshots: list[str] = []
+
+    def uniform_updates(step: int) -> int:
+        return 0 if switch is None else step - switch
+
+    def write_boundary(step: int) -> None:
+        """Snapshot and checkpoint due after `step` updates (rank 0). The snapshot goes
+        first, so a checkpoint on disk implies every snapshot up to its step is too."""
+        if not world.is_main:
+            return
+        next_lr = lr_at(step, config.optim, tc.updates)
+        if step in snapshot_at:
+            batches = torch.stack([source.batch(tc.seed, step + i, tc.batch_size, tc.seq_len)
+                                   for i in range(tc.snapshot_batches)])  # [n, B, T+1]
+            path = run_dir / SNAPSHOT_DIR / snapshot_name(snapshot_at[step], step)
+            save_snapshot(path, config=config, step=step, uniform_updates=uniform_updates(step), model=model,
+                          optimizer=optimizer, lr=next_lr, batches=batches, eval_tokens=eval_tokens)
+            written_snapshots.append(str(path))
+        periodic = tc.checkpoint_every and step % tc.checkpoint_every == 0
+        if step > start and (periodic or step == tc.updates):
+            path = run_dir / CHECKPOINT_DIR / checkpoint_name(step)
+            save_checkpoint(path, config=config, step=step, uniform_updates=uniform_updates(step), model=model,
+                            optimizer=optimizer, lr=next_lr, eval_tokens=eval_tokens, progress=counters)
+            atomic_write_text(path.name + "\n", path.parent / LATEST)
+            written_checkpoints.append(str(path))
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    interval_loss = torch.zeros((), dtype=torch.float64, device=world.device)
+    interval_tokens = torch.zeros((), dtype=torch.float64, device=world.device)
+    metrics = (run_dir / "metrics.jsonl").open("a", encoding="utf-8") if world.is_main else None
+    bar = tqdm(total=tc.updates, initial=start, desc="train", unit="upd", dynamic_ncols=True,
+               disable=not (progress and world.is_main))
+    try:
+        write_boundary(start)
+        session_began, wall_time_before = time.perf_counter(), counters["wall_time"]
+        for step in range(start, tc.updates):
+            depth = schedule.depth_at(step)
+            lr = lr_at(step, config.optim, tc.updates)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batch = source.batch(tc.seed, step, tc.batch_size, tc.seq_len, rank=world.rank,
+                                 world_size=world.world_size)  # [B/world, T+1], on the CPU
+            # The mean over the global batch's counted tokens. DDP averages gradients over ranks,
+            # so each rank divides its sum by the mean count per rank; on one process this is
+            # exactly `training_loss`.
+            local_count = counted_targets(batch)
+            count = all_reduce_int(world, local_count)
+            loss_sum = loss_sum_of(forward, batch.to(world.device), depth, precision=tc.precision)
+            (loss_sum / (count / world.world_size)).backward()
+            grad_norm = clip_gradients(params, config.optim.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+            interval_loss += loss_sum.detach().to(torch.float64)
+            interval_tokens += local_count
+            counters["tokens"] += tc.batch_size * tc.seq_len
+            counters["flops"] += update_flops(config.model, depth, batch_size=tc.batch_size, seq_len=tc.seq_len)
+            counters["wall_time"] = wall_time_before + time.perf_counter() - session_began
+            done = step + 1
+            if done % tc.log_every == 0 or done == tc.updates:
+                totals = all_reduce_sum(world, torch.stack((interval_loss, interval_tokens)))
+                final_loss = float(totals[0] / totals[1])
+                depths = all_gather_ints(world, depth)
+                interval_loss.zero_()
+                interval_tokens.zero_()
+                if metrics is not None:
+                    record: dict[str, Any] = {"step": step, "depth": depth, "loss": final_loss, "lr": lr,
+                                              "grad_norm": float(grad_norm), "tokens": int(counters["tokens"]),
+                                              "flops": counters["flops"], "wall_time": counters["wall_time"]}
+                    if world.distributed:
+                        record["rank_depths"] = depths
+                    metrics.write(json.dumps(record) + "\n")
+                    metrics.flush()
+                bar.set_postfix(loss=f"{final_loss:.4f}", depth=depth, refresh=False)
+            bar.update(1)
+            write_boundary(done)
+    finally:
+        bar.close()
+        if metrics is not None:
+            metrics.close()
+    summary = TrainSummary(run_dir=str(run_dir), updates=tc.updates, resumed_from=start, final_loss=final_loss,
+                           tokens=int(counters["tokens"]), flops=counters["flops"],
+                           wall_time=counters["wall_time"], checkpoints=tuple(written_checkpoints),
+                           snapshots=tuple(written_snapshots))
+    if world.is_main:
+        atomic_write_text(json.dumps(asdict(summary), indent=2) + "\n", run_dir / "summary.json")
+    barrier(world)
+    return summary
+
+
+def resolve_run_dir(config_path: str | Path, out: str | Path | None, resume: str | Path | None) -> tuple[Path, bool]:
+    """(run directory, resume?) from the command line: --resume DIR continues DIR, --out DIR
+    starts there, neither starts runs/<config name>."""
+    if resume is not None:
+        if out is not None and Path(out).resolve() != Path(resume).resolve():
+            raise InputError(f"--out {out}: differs from --resume {resume}; a resumed run stays in its directory")
+        return Path(resume), True
+    return (Path(out) if out is not None else Path("runs") / Path(config_path).stem), False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m trainer.train` (the torchrun entry point); same options as `depthdiag train`."""
+    parser = argparse.ArgumentParser(prog="python -m trainer.train", description=__doc__.splitlines()[0])
+    parser.add_argument("config")
+    parser.add_argument("--out")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--resume", metavar="RUN_DIR")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+        run_dir, resume = resolve_run_dir(args.config, args.out, args.resume)
+        summary = train(config, run_dir, resume=resume, progress=not args.no_progress)
+    except (InputError, ValueError) as err:
+        print(f"trainer.train: error: {err}", file=sys.stderr)
+        return 2
+    if os.environ.get("RANK", "0") == "0":
+        print(f"trained {summary.updates} updates into {summary.run_dir}: final loss {summary.final_loss:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
