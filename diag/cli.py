@@ -129,7 +129,7 @@ def train_run(config_path: str, out: str | None, overrides: tuple[str, ...], res
 
     \b
     Under torchrun every process runs this and rank 0 writes the files:
-      torchrun --nproc_per_node=4 -m trainer.train configs/tiny.toml --out runs/tiny
+      torchrun --nproc_per_node=4 -m diag.cli train configs/tiny.toml --out runs/tiny
     """
     import os
 
@@ -302,4 +302,5 @@ def plot(results: tuple[Path, ...], figure_number: str, out: Path, level: float,
 
 
 if __name__ == "__main__":
-    main()
+    # `torchrun --nproc_per_node=N -m diag.cli train CONFIG` runs the same command on every rank.
+    main(prog_name="depthdiag")

@@ -215,12 +215,10 @@ class UpdateDiagnostic:
             stepped.append(names_by_id[id(p)])
         if len(set(stepped)) != len(stepped):
             raise ValueError("the optimizer lists a parameter more than once")
-        values = {}
-        for name, p in model.named_parameters():
-            values[name] = p.detach().to(dtype=torch.float32, copy=True)
         # The optimizer's clones are the same numbers: share them instead of holding two copies.
-        for name, theta in zip(stepped, self.step.theta):
-            values[name] = theta
+        shared = dict(zip(stepped, self.step.theta))
+        values = {name: shared[name] if name in shared else p.detach().to(dtype=torch.float32, copy=True)
+                  for name, p in model.named_parameters()}
         self.theta: dict[str, Tensor] = values
         """Parameter name -> fp32 clone (deduplicated names, as named_parameters gives them)."""
         self.stepped: list[str] = stepped
@@ -229,6 +227,12 @@ class UpdateDiagnostic:
         self.buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
         self.device = next(iter(values.values())).device if values else torch.device("cpu")
         self.eval_tokens = _check_tokens(eval_tokens, "eval_tokens").to(self.device)
+        # Counted targets per evaluation chunk, read once: every evaluation reuses them, and
+        # reading them per chunk would stall the device on each one.
+        self._chunk_counts = [int((rows[:, 1:] != IGNORE_INDEX).sum())
+                              for rows in self.eval_tokens.split(options.eval_batch_size)]
+        if sum(self._chunk_counts) == 0:
+            raise ValueError("eval_tokens has no target that is not IGNORE_INDEX")
         self._delta0: list[Tensor] | None = None
         self._nll_before: np.ndarray | None = None
         self._nll_module = _NllByDepth(model) if callable(getattr(model, "nll_by_depth", None)) else None
@@ -289,18 +293,13 @@ class UpdateDiagnostic:
                 params[name] = params[name] + u
         depths = list(self.options.serving_depths)
         total = torch.zeros(len(depths), dtype=torch.float64, device=self.device)
-        tokens = 0
         with torch.no_grad():
-            for rows in self.eval_tokens.split(self.options.eval_batch_size):
-                inputs, targets = rows[:, :-1], rows[:, 1:]  # [b, T] each
-                count = int((targets != IGNORE_INDEX).sum())
+            for rows, count in zip(self.eval_tokens.split(self.options.eval_batch_size), self._chunk_counts):
                 if count == 0:
                     continue
+                inputs, targets = rows[:, :-1], rows[:, 1:]  # [b, T] each
                 total += self._chunk_nll(params, inputs, targets, depths).double() * count
-                tokens += count
-        if tokens == 0:
-            raise ValueError("eval_tokens has no target that is not IGNORE_INDEX")
-        return (total / tokens).cpu().numpy()
+        return (total / sum(self._chunk_counts)).cpu().numpy()
 
     def _chunk_nll(self, params: dict[str, Tensor], inputs: Tensor, targets: Tensor, depths: list[int]) -> Tensor:
         if self._nll_module is not None:

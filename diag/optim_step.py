@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -81,6 +81,18 @@ class OptimizerStep:
         raise ValueError(f"isolate='linear' needs the update rule written out; it supports Adam, AdamW "
                          f"and SGD, not {self.optimizer_class}")
 
+    def _jvp_at_zero(self, direction: Sequence[Tensor],
+                     delta_of: Callable[[int, Tensor, dict], Tensor]) -> list[Tensor]:
+        """d/de delta_of(i, e * direction[i], hyper) at e = 0 for every parameter i."""
+        direction = self._check(direction)
+        out: list[Tensor] = []
+        for g in self.groups:
+            for i in range(g.start, g.stop):
+                _, tangent = torch.func.jvp(lambda grad: delta_of(i, grad, g.hyper),
+                                            (torch.zeros_like(direction[i]),), (direction[i],))
+                out.append(tangent)
+        return out
+
     def _check(self, grads: Sequence[Tensor]) -> list[Tensor]:
         if len(grads) != len(self.theta):
             raise ValueError(f"expected {len(self.theta)} gradients, got {len(grads)}")
@@ -131,15 +143,8 @@ class AdamStep(OptimizerStep):
         return out
 
     def linear(self, direction: Sequence[Tensor]) -> list[Tensor]:
-        direction = self._check(direction)
-        out: list[Tensor] = []
-        for g in self.groups:
-            for i in range(g.start, g.stop):
-                def step(grad: Tensor, i=i) -> Tensor:
-                    return adam_delta(self.theta[i], grad, self.state[i], g.hyper)
-                zero = torch.zeros_like(direction[i])
-                out.append(torch.func.jvp(step, (zero,), (direction[i],))[1])
-        return out
+        return self._jvp_at_zero(
+            direction, lambda i, grad, hyper: adam_delta(self.theta[i], grad, self.state[i], hyper))
 
 
 def adam_delta(theta: Tensor, grad: Tensor, state: dict[str, Tensor], hyper: dict) -> Tensor:
@@ -200,15 +205,8 @@ class SGDStep(OptimizerStep):
         return out
 
     def linear(self, direction: Sequence[Tensor]) -> list[Tensor]:
-        direction = self._check(direction)
-        out: list[Tensor] = []
-        for g in self.groups:
-            for i in range(g.start, g.stop):
-                def step(grad: Tensor, i=i) -> Tensor:
-                    return sgd_delta(self.theta[i], grad, self.buffers[i], g.hyper)
-                zero = torch.zeros_like(direction[i])
-                out.append(torch.func.jvp(step, (zero,), (direction[i],))[1])
-        return out
+        return self._jvp_at_zero(
+            direction, lambda i, grad, hyper: sgd_delta(self.theta[i], grad, self.buffers[i], hyper))
 
 
 def sgd_delta(theta: Tensor, grad: Tensor, buffer: Tensor | None, hyper: dict) -> Tensor:

@@ -310,7 +310,7 @@ def _assemble(config: DiagnoseConfig, entries: list[_Entry], manifest: dict, par
                     if name in unit:
                         dims[name] = ("snapshot", "batch") + unit[name].dims
                         arrays[name] = np.full((len(entries), n_batch) + unit[name].shape, np.nan)
-                attrs = dict(unit.attrs)
+                unit_attrs = dict(unit.attrs)
             if b == 0:
                 nll_before[s] = unit["nll_before"].values
             for name in arrays:
@@ -328,8 +328,8 @@ def _assemble(config: DiagnoseConfig, entries: list[_Entry], manifest: dict, par
     attrs = {"config": entries[0].config_json,
              "isolate": config.isolate, "rms_match": config.rms_match,
              "lr_override": float(config.lr) if config.lr is not None else "none",
-             "optimizer": str(attrs["optimizer"]), "grad_clip": float(attrs["grad_clip"]),
-             "precision": str(attrs["precision"]),
+             "optimizer": str(unit_attrs["optimizer"]), "grad_clip": float(unit_attrs["grad_clip"]),
+             "precision": str(unit_attrs["precision"]),
              "depthdiag_version": _version(), "torch_version": str(torch.__version__), "git_commit": _git_commit(),
              "snapshot_sha256": json.dumps({e.name: e.sha256 for e in entries}, sort_keys=True),
              "snapshot_paths": json.dumps({e.name: e.path for e in entries}, sort_keys=True),

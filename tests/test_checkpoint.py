@@ -24,15 +24,6 @@ from trainer.train import clip_gradients, lr_at, train, training_loss
 WORDS = "a stitch in time saves nine but the early bird still catches the worm at dawn".split()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and far slower when threads contend for shared cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def tiny_config(directory: Path, **train_overrides) -> RunConfig:
     corpus = directory / "corpus.txt"
     rng = random.Random(1)
@@ -52,10 +43,7 @@ def tiny_config(directory: Path, **train_overrides) -> RunConfig:
 def run(tmp_path_factory) -> tuple[RunConfig, Path]:
     directory = tmp_path_factory.mktemp("run")
     config = tiny_config(directory)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     train(config, directory / "run", progress=False)
-    torch.set_num_threads(threads)
     return config, directory / "run"
 
 

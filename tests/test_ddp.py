@@ -66,19 +66,14 @@ def test_two_gloo_processes_match_one_process(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
                "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-               "-m", "trainer.train", str(config_path), "--out", str(tmp_path / "ddp"), "--no-progress"]
+               "-m", "diag.cli", "train", str(config_path), "--out", str(tmp_path / "ddp"), "--no-progress"]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240,
                             cwd=Path(__file__).resolve().parents[1])
     assert result.returncode == 0, result.stderr[-3000:]
 
     from trainer.config import load_config
     config = load_config(config_path)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        train(config, tmp_path / "single", progress=False)
-    finally:
-        torch.set_num_threads(threads)
+    train(config, tmp_path / "single", progress=False)
 
     ddp, single = read_metrics(tmp_path / "ddp"), read_metrics(tmp_path / "single")
     assert [r["step"] for r in ddp] == [r["step"] for r in single] == list(range(8))

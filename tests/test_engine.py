@@ -17,6 +17,7 @@ from diag.engine import DiagnosticOptions, UpdateDiagnostic, global_cosine, glob
 from trainer.checkpoint import build_optimizer
 from trainer.config import OptimConfig
 from trainer.model import LoopedTransformer, ModelConfig
+from trainer.train import clip_gradients, training_loss
 
 VOCAB, SEQ = 48, 12
 UPDATE_DEPTHS, SERVING = (2, 6), tuple(range(1, 9))
@@ -144,6 +145,24 @@ def test_updates_match_torch_steps_and_reference_rms_matching():
     matched, scales = match_rms(updates, "reference")
     assert [global_rms(m) for m in matched] == pytest.approx([global_rms(updates[0])] * 2, rel=1e-6)
     assert scales[0] == 1.0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gradient_is_the_training_loops_gradient_bitwise(precision):
+    model, opt = adamw_setup()
+    batch = tokens(4, 16)
+    batch[0, -1] = -1  # an ignored target changes the loss's denominator
+    diagnostic = UpdateDiagnostic(model, opt, tokens(2, 17), DiagnosticOptions(grad_clip=0.05, precision=precision))
+    loss, grads = diagnostic.gradient(batch, 3)
+    reference = copy.deepcopy(model)
+    expected = training_loss(reference, batch, 3, precision=precision)
+    expected.backward()
+    norm = clip_gradients([p for p in reference.parameters() if p.requires_grad], 0.05)
+    assert float(norm) > 0.05  # the clip is active
+    assert loss == float(expected)
+    named = dict(reference.named_parameters())
+    for name, g in zip(diagnostic.stepped, grads):
+        assert torch.equal(g, named[name].grad), name
 
 
 def test_compare_updates_leaves_model_and_optimizer_bitwise_unchanged():

@@ -15,18 +15,9 @@ from trainer.config import OptimConfig, RunConfig
 from trainer.errors import InputError
 from trainer.flops import update_flops
 from trainer.schedules import parse_schedule
-from trainer.train import latest_checkpoint, lr_at, train
+from trainer.train import clip_gradients, latest_checkpoint, lr_at, train
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing in the old oak tree".split()
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and far slower when threads contend for shared cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def text_corpus(directory: Path) -> Path:
@@ -80,6 +71,17 @@ def test_lr_at_matches_piecewise_reference(warmup, decay_fraction, min_ratio, to
 def test_lr_at_rejects_negative_step():
     with pytest.raises(ValueError):
         lr_at(-1, OptimConfig(), 10)
+
+
+def test_clip_gradients_without_clipping_reports_the_global_norm_and_leaves_gradients_alone():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    before = [p.grad.clone() for p in params]
+    norm = clip_gradients(params, 0.0)
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, before))
+    torch.testing.assert_close(norm, torch.linalg.vector_norm(torch.cat([g.flatten() for g in before])))
 
 
 # --- the loop -----------------------------------------------------------------------------
@@ -157,6 +159,21 @@ def test_interrupt_then_resume_is_bit_exact(tmp_path, monkeypatch):
     for name in ("u0000_step000006.pt", "u0002_step000008.pt"):
         sa, sb = load_snapshot(straight / "snapshots" / name), load_snapshot(resumed / "snapshots" / name)
         assert all(torch.equal(v, sb.model_state[k]) for k, v in sa.model_state.items())
+
+
+def test_resume_inside_a_logging_interval_logs_what_an_uninterrupted_run_logs(tmp_path, monkeypatch):
+    config = tiny_config(text_corpus(tmp_path), log_every=3, checkpoint_every=4, snapshot_uniform_updates=[])
+    train(config, tmp_path / "straight", progress=False)
+    import trainer.train as train_module
+    monkeypatch.setattr(train_module, "update_flops", Interrupt(update_flops, 7))
+    with pytest.raises(KeyboardInterrupt):
+        train(config, tmp_path / "resumed", progress=False)
+    monkeypatch.undo()
+    train(config, tmp_path / "resumed", resume=True, progress=False)
+
+    def without_wall_time(run_dir: Path) -> list[dict]:
+        return [{k: v for k, v in r.items() if k != "wall_time"} for r in read_metrics(run_dir)]
+    assert without_wall_time(tmp_path / "resumed") == without_wall_time(tmp_path / "straight")
 
 
 def test_resume_with_another_config_is_refused_and_writes_nothing(tmp_path):

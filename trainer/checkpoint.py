@@ -236,10 +236,8 @@ def load_snapshot(path: str | Path) -> Snapshot:
     version = payload.get("format_version")
     if version != FORMAT_VERSION:
         raise InputError(f"{path}: format_version {version!r}, this depthdiag reads format_version {FORMAT_VERSION}")
-    missing = [k for k in COMMON_KEYS if k not in payload]
     is_snapshot = "batches" in payload
-    if not is_snapshot:
-        missing += [k for k in ("rng", "progress") if k not in payload]
+    missing = [k for k in (SNAPSHOT_KEYS if is_snapshot else CHECKPOINT_KEYS) if k not in payload]
     if missing:
         raise InputError(f"{path}: missing key(s) {', '.join(missing)}")
     if not isinstance(payload["config"], str):

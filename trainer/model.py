@@ -107,6 +107,14 @@ class ModelConfig:
         return cls(**values)
 
 
+class RMSNorm(nn.RMSNorm):
+    """RMSNorm computed in float32: under bf16 autocast its input arrives in bf16 while
+    its weight stays fp32, a mix that has no fused kernel and loses precision."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), self.normalized_shape, self.weight, self.eps).to(x.dtype)
+
+
 class Rotary(nn.Module):
     """Rotary position embedding tables, [max_seq_len, head_dim/2] each."""
 
@@ -159,13 +167,13 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
-        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
         sandwich = cfg.norm == "sandwich"
-        self.attn_post_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps) if sandwich else nn.Identity()
-        self.mlp_post_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps) if sandwich else nn.Identity()
+        self.attn_post_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps) if sandwich else nn.Identity()
+        self.mlp_post_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps) if sandwich else nn.Identity()
 
     def forward(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         x = x + self.attn_post_norm(self.attn(self.attn_norm(x), rotary))
@@ -182,9 +190,9 @@ class LoopedTransformer(nn.Module):
         self.prelude = nn.ModuleList(Block(cfg) for _ in range(cfg.n_prelude))
         self.adapter = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=False) if cfg.injection == "concat" else None
         self.core = nn.ModuleList(Block(cfg) for _ in range(cfg.n_core))
-        self.loop_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.loop_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.coda = nn.ModuleList(Block(cfg) for _ in range(cfg.n_coda))
-        self.final_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.d_model // cfg.n_heads, cfg.max_seq_len)
         self.reset_parameters()
@@ -194,7 +202,7 @@ class LoopedTransformer(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=cfg.init_std)
-            elif isinstance(module, nn.RMSNorm):
+            elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
         # GPT-2's scaled init of residual projections, counting each block once: scaling by
         # the applied depth would make the initialisation depend on the schedule.

@@ -8,22 +8,19 @@ rank agree without communication.
 A run directory holds:
 
     config.json                    the run config (JSON)
-    metrics.jsonl                  one line per log_every updates (see `train`)
+    metrics.jsonl                  a line per log_every updates and per checkpoint (see `train`)
     checkpoints/step_XXXXXX.pt     resumable state after XXXXXX updates; `latest` names the newest
     snapshots/uNNNN_stepXXXXXX.pt  diagnostic inputs NNNN updates after the switch
     summary.json                   written when the run finishes
 
 Run it with `depthdiag train CONFIG` or, distributed,
-`torchrun --nproc_per_node=N -m trainer.train CONFIG [--out DIR] [--set k=v] [--resume DIR]`.
+`torchrun --nproc_per_node=N -m diag.cli train CONFIG [--out DIR] [--set k=v] [--resume DIR]`.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
-import os
-import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -37,7 +34,7 @@ from tqdm import tqdm
 
 from trainer.checkpoint import (atomic_write_text, build_optimizer, load_snapshot, save_checkpoint,
                                 save_snapshot, set_rng_state)
-from trainer.config import OptimConfig, RunConfig, load_config
+from trainer.config import OptimConfig, RunConfig
 from trainer.data import build_source
 from trainer.distributed import (World, all_gather_ints, all_reduce_int, all_reduce_sum, barrier, init_world,
                                  shutdown_world)
@@ -120,7 +117,9 @@ def clip_gradients(params: list[torch.Tensor], grad_clip: float) -> torch.Tensor
     """Clip the global gradient norm to `grad_clip` (0: no clipping); returns the norm before clipping."""
     if grad_clip:
         return torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    # The norm clip_grad_norm_ computes, spelled out: torch.nn.utils.get_total_norm needs torch >= 2.6.
+    norms = [torch.linalg.vector_norm(p.grad) for p in params if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
 
 @dataclass(frozen=True)
@@ -175,11 +174,12 @@ def train(config: RunConfig, out_dir: str | Path, *, resume: bool = False, progr
     process calls this and rank 0 writes every file. `resume=True` continues from the
     newest checkpoint in `out_dir` and refuses a config that differs from the stored one.
 
-    metrics.jsonl lines: step (0-based index of the update), depth, loss (token-weighted
-    mean over the updates since the previous line), lr, grad_norm (before clipping),
-    tokens and flops (cumulative, this update included), wall_time (seconds since the run
-    began, time between an interruption and its resume excluded), and under
-    torchrun rank_depths (the depth every rank used at this update)."""
+    metrics.jsonl has a line every log_every updates and at every checkpoint: step (0-based
+    index of the update), depth, loss (token-weighted mean over the updates since the
+    previous line), lr, grad_norm (before clipping), tokens and flops (cumulative, this
+    update included), wall_time (seconds since the run began, time between an interruption
+    and its resume excluded), and under torchrun rank_depths (the depth every rank used at
+    this update)."""
     run_dir = Path(out_dir)
     world = init_world(config.train.device)
     try:
@@ -247,6 +247,10 @@ def _train(config: RunConfig, run_dir: Path, world: World, *, resume: bool, prog
     def uniform_updates(step: int) -> int:
         return 0 if switch is None else step - switch
 
+    def checkpoint_due(step: int) -> bool:
+        periodic = tc.checkpoint_every and step % tc.checkpoint_every == 0
+        return step > start and bool(periodic or step == tc.updates)
+
     def write_boundary(step: int) -> None:
         """Snapshot and checkpoint due after `step` updates (rank 0). The snapshot goes
         first, so a checkpoint on disk implies every snapshot up to its step is too."""
@@ -260,8 +264,7 @@ def _train(config: RunConfig, run_dir: Path, world: World, *, resume: bool, prog
             save_snapshot(path, config=config, step=step, uniform_updates=uniform_updates(step), model=model,
                           optimizer=optimizer, lr=next_lr, batches=batches, eval_tokens=eval_tokens)
             written_snapshots.append(str(path))
-        periodic = tc.checkpoint_every and step % tc.checkpoint_every == 0
-        if step > start and (periodic or step == tc.updates):
+        if checkpoint_due(step):
             path = run_dir / CHECKPOINT_DIR / checkpoint_name(step)
             save_checkpoint(path, config=config, step=step, uniform_updates=uniform_updates(step), model=model,
                             optimizer=optimizer, lr=next_lr, eval_tokens=eval_tokens, progress=counters)
@@ -301,7 +304,9 @@ def _train(config: RunConfig, run_dir: Path, world: World, *, resume: bool, prog
             counters["flops"] += update_flops(config.model, depth, batch_size=tc.batch_size, seq_len=tc.seq_len)
             counters["wall_time"] = wall_time_before + time.perf_counter() - session_began
             done = step + 1
-            if done % tc.log_every == 0 or done == tc.updates:
+            # A line at every checkpoint too: the interval is then empty at any resume point,
+            # so a resumed run logs exactly the losses of an uninterrupted one.
+            if done % tc.log_every == 0 or checkpoint_due(done):
                 totals = all_reduce_sum(world, torch.stack((interval_loss, interval_tokens)))
                 final_loss = float(totals[0] / totals[1])
                 depths = all_gather_ints(world, depth)
@@ -340,28 +345,3 @@ def resolve_run_dir(config_path: str | Path, out: str | Path | None, resume: str
             raise InputError(f"--out {out}: differs from --resume {resume}; a resumed run stays in its directory")
         return Path(resume), True
     return (Path(out) if out is not None else Path("runs") / Path(config_path).stem), False
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m trainer.train` (the torchrun entry point); same options as `depthdiag train`."""
-    parser = argparse.ArgumentParser(prog="python -m trainer.train", description=__doc__.splitlines()[0])
-    parser.add_argument("config")
-    parser.add_argument("--out")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--resume", metavar="RUN_DIR")
-    parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
-    try:
-        config = load_config(args.config, args.overrides)
-        run_dir, resume = resolve_run_dir(args.config, args.out, args.resume)
-        summary = train(config, run_dir, resume=resume, progress=not args.no_progress)
-    except (InputError, ValueError) as err:
-        print(f"trainer.train: error: {err}", file=sys.stderr)
-        return 2
-    if os.environ.get("RANK", "0") == "0":
-        print(f"trained {summary.updates} updates into {summary.run_dir}: final loss {summary.final_loss:.4f}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
