@@ -22,7 +22,7 @@ import contextlib
 import json
 import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -194,6 +194,20 @@ class _NllByDepth(nn.Module):
 
 # --- the diagnostic ----------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def _module_mode(model: nn.Module, *, training: bool) -> Iterator[None]:
+    """Gradients in training mode and evaluations in eval mode (dropout, for models that
+    have it), as training and evaluation would run them; every submodule's own mode is
+    restored afterwards."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.train(training)
+    try:
+        yield
+    finally:
+        for module, mode in modes:
+            module.training = mode
+
+
 class UpdateDiagnostic:
     """Everything one snapshot's units share: clones of theta and the optimizer state,
     Delta(0) (computed once, on first use) and the NLL of theta itself.
@@ -252,7 +266,7 @@ class UpdateDiagnostic:
         leaves = {name: t.detach().requires_grad_(self.requires_grad[name]) for name, t in self.theta.items()}
         autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.options.precision == "bf16"
                     else contextlib.nullcontext())
-        with torch.enable_grad(), autocast:
+        with torch.enable_grad(), autocast, _module_mode(self.model, training=True):
             output = torch.func.functional_call(self.model, self._state(leaves), (batch[:, :-1],),
                                                 {self.options.depth_kwarg: int(depth)})
         logits = _logits(output)  # [B, T, V]
@@ -293,7 +307,7 @@ class UpdateDiagnostic:
                 params[name] = params[name] + u
         depths = list(self.options.serving_depths)
         total = torch.zeros(len(depths), dtype=torch.float64, device=self.device)
-        with torch.no_grad():
+        with torch.no_grad(), _module_mode(self.model, training=False):
             for rows, count in zip(self.eval_tokens.split(self.options.eval_batch_size), self._chunk_counts):
                 if count == 0:
                     continue

@@ -33,6 +33,7 @@ from analysis.store import atomic_output, write_dataset
 from diag.engine import DiagnosticOptions, UpdateDiagnostic
 from trainer.checkpoint import Snapshot, load_snapshot
 from trainer.data import build_source
+from trainer.distributed import resolve_device
 from trainer.errors import InputError
 
 MANIFEST = "manifest.json"
@@ -160,12 +161,13 @@ def _entries(config: DiagnoseConfig) -> list[_Entry]:
     return sorted(entries, key=lambda e: (e.uniform_updates, e.step))
 
 
-def _manifest(config: DiagnoseConfig, entries: list[_Entry]) -> dict:
-    """Everything that determines the results: a resumed run must agree on all of it."""
+def _manifest(config: DiagnoseConfig, entries: list[_Entry], device: torch.device) -> dict:
+    """Everything that determines the results, to the last bit: a resumed run must agree
+    on all of it (the device too, as kernels differ in their rounding)."""
     settings = {k: v for k, v in asdict(config).items() if k in ("update_depths", "serving_depths", "isolate",
                                                                   "rms_match", "lr", "eval_batch_size")}
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
-    return {"settings": settings,
+    return {"settings": settings, "device": device.type,
             "snapshots": [{"name": e.name, "sha256": e.sha256, "batches": e.batches} for e in entries]}
 
 
@@ -213,14 +215,6 @@ def _finished_manifest(out: Path) -> dict | None:
         return None
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise InputError("--device cuda: no CUDA device is available")
-    return torch.device(name)
-
-
 def _load_again(entry: _Entry) -> Snapshot:
     snap = load_snapshot(entry.path)
     if snap.sha256 != entry.sha256:
@@ -237,11 +231,10 @@ def _batches(entry: _Entry, snap: Snapshot):
     return lambda i: source.batch(cfg.train.seed, snap.step + i, cfg.train.batch_size, cfg.train.seq_len)
 
 
-def _run_units(config: DiagnoseConfig, entries: list[_Entry], parts: Path) -> None:
+def _run_units(config: DiagnoseConfig, entries: list[_Entry], parts: Path, device: torch.device) -> None:
     todo = {e.name: [i for i in range(e.batches) if not _part_path(parts, e, i).exists()] for e in entries}
     total = sum(e.batches for e in entries)
     done = total - sum(len(v) for v in todo.values())
-    device = _device(config.device)
     with tqdm(total=total, initial=done, desc="diagnose", unit="unit",
               disable=None if config.progress else True) as bar:
         for entry in entries:
@@ -350,10 +343,11 @@ def diagnose(config: DiagnoseConfig) -> Path:
     out = Path(config.out)
     parts = out.with_name(out.name + ".parts")
     entries = _entries(config)
-    manifest = _manifest(config, entries)
+    device = resolve_device(config.device)
+    manifest = _manifest(config, entries, device)
     if not _prepare(config, manifest, out, parts):
         return out
-    _run_units(config, entries, parts)
+    _run_units(config, entries, parts, device)
     write_dataset(_assemble(config, entries, manifest, parts), out)
     shutil.rmtree(parts)
     return out

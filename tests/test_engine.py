@@ -159,7 +159,7 @@ def test_gradient_is_the_training_loops_gradient_bitwise(precision):
     expected.backward()
     norm = clip_gradients([p for p in reference.parameters() if p.requires_grad], 0.05)
     assert float(norm) > 0.05  # the clip is active
-    assert loss == float(expected)
+    assert loss == expected.item()
     named = dict(reference.named_parameters())
     for name, g in zip(diagnostic.stepped, grads):
         assert torch.equal(g, named[name].grad), name
@@ -305,3 +305,34 @@ def test_match_rms_modes():
 def test_bad_options_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DiagnosticOptions(**kwargs)
+
+
+class WithDropout(nn.Module):
+    """A model with dropout on its output: random in training mode, deterministic in eval mode."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.dropout = nn.Dropout(0.5)
+
+    def forward(self, input_ids, depth):
+        return self.dropout(self.inner(input_ids, depth=depth))
+
+
+def test_evaluation_runs_in_eval_mode_and_modes_are_restored():
+    model = WithDropout(tiny_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    model.inner.eval()  # a mixed state, which must come back as it was
+    batch, eval_tokens = tokens(4, 9), tokens(3, 10)
+    first = diag.compare_updates(model, opt, batch, eval_tokens, update_depths=(1, 3), serving_depths=(1, 2))
+    second = diag.compare_updates(model, opt, batch, eval_tokens, update_depths=(1, 3), serving_depths=(1, 2))
+    # Dropout left on during evaluation would make the two NLLs differ.
+    np.testing.assert_array_equal(first.nll_before.values, second.nll_before.values)
+    with torch.no_grad():
+        model.eval()
+        expected = [train_loss(model, eval_tokens, "depth", s).item() for s in (1, 2)]
+        model.train()
+        model.inner.eval()
+    np.testing.assert_allclose(first.nll_before.values, expected, rtol=1e-6)
+    assert model.training and model.dropout.training and not model.inner.training

@@ -189,10 +189,6 @@ class Snapshot:
     progress: dict[str, float] | None = field(default=None, repr=False)
     """Run counters tokens, flops, wall_time (checkpoints only)."""
 
-    @property
-    def is_checkpoint(self) -> bool:
-        return self.batches is None
-
     def model(self, device: str | torch.device = "cpu") -> LoopedTransformer:
         """A LoopedTransformer with the stored weights (fp32, on `device`)."""
         model = LoopedTransformer(self.config.model)

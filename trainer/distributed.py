@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from trainer.errors import InputError
+
 
 @dataclass(frozen=True)
 class World:
@@ -36,7 +38,7 @@ def resolve_device(choice: str) -> torch.device:
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if choice == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device='cuda' but no CUDA device is available")
+        raise InputError("device 'cuda' was asked for, but no CUDA device is available")
     return torch.device(choice)
 
 
