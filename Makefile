@@ -30,7 +30,6 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
@@ -39,13 +38,14 @@ figure4: $(FIGURE) results/$(NAME)-summary.txt
 
 # The run's summary.json marks a finished training run (snapshots included). A
 # run interrupted before it resumes from its newest checkpoint; a finished run
-# whose config or sources changed starts over.
+# whose config or sources changed starts over, and its diagnostics with it.
 $(RUN_DIR)/summary.json: $(CONFIG) $(TRAINER_SOURCES) $(VENV)/.installed
-	if [ -e $@ ]; then rm -rf $(RUN_DIR); fi
+	if [ -e $@ ]; then rm -rf $(RUN_DIR) $(RESULTS) $(RESULTS).parts; fi
 	$(DEPTHDIAG) train $(CONFIG) --out $(RUN_DIR) $$(if [ -e $(RUN_DIR)/checkpoints/latest ]; then echo --resume $(RUN_DIR); fi)
 
 $(RESULTS): $(RUN_DIR)/summary.json $(DIAG_SOURCES)
 	mkdir -p $(dir $@)
+	rm -f $@
 	$(DEPTHDIAG) diagnose $(RUN_DIR)/snapshots/*.pt --out $@ --batches $(BATCHES) --resume
 
 results/$(NAME)-summary.txt: $(RESULTS) $(ANALYSIS_SOURCES)

@@ -114,10 +114,10 @@ def fact_order(source: BiosSource, bio: list[int]) -> tuple[tuple[int, ...], set
     return tuple(r % len(ATTRIBUTES) for r in relations), {r // len(ATTRIBUTES) for r in relations}
 
 
-def test_batches_pack_training_bios_and_eval_tokens_pack_evaluation_bios(source):
+def test_batches_and_eval_tokens_pack_training_bios(source):
     spec = source.spec
     for tokens, orders in ((source.batch(5, 2, 8, 64), spec.training_orders),
-                           (source.eval_tokens(8, 64), spec.evaluation_orders)):
+                           (source.eval_tokens(8, 64), spec.training_orders)):
         assert tokens.shape == (8, 65) and tokens.dtype == torch.int64
         for row in tokens.tolist():
             assert row[0] == SEP
@@ -128,6 +128,9 @@ def test_batches_pack_training_bios_and_eval_tokens_pack_evaluation_bios(source)
                 (wording,) = wordings
                 assert order == orders[wording]
     assert torch.equal(source.eval_tokens(8, 64), BiosSource.generate(people=60, seed=3).eval_tokens(8, 64))
+    # Its own packing: no evaluation row is a training batch's row.
+    training_rows = {tuple(row) for step in range(50) for row in source.batch(0, step, 32, 64).tolist()}
+    assert not training_rows & {tuple(row) for row in source.eval_tokens(64, 64).tolist()}
 
 
 def test_batch_is_pure_in_seed_and_step_and_ranks_concatenate(source):

@@ -9,8 +9,7 @@ SMALL = dict(vocab_size=40, max_seq_len=16, d_model=32, n_heads=2, n_prelude=1, 
 
 
 def trained_like(config: ModelConfig, seed: int = 0) -> LoopedTransformer:
-    """A model whose state path matters: at initialisation the adapter ignores
-    the state, which would make every depth give the same output."""
+    """A model away from its initialisation, whose depths all differ."""
     torch.manual_seed(seed)
     model = LoopedTransformer(config)
     with torch.no_grad():
@@ -70,11 +69,14 @@ def test_noise_state_is_deterministic_and_seeded():
     assert not torch.allclose(first, other_seed)
 
 
-def test_concat_adapter_passes_prelude_output_at_init():
+@pytest.mark.parametrize("adapter_init", ["sum", "input"])
+def test_concat_adapter_passes_prelude_output_at_init(adapter_init):
     torch.manual_seed(0)
-    model = LoopedTransformer(ModelConfig(**SMALL))
-    e = torch.randn(2, 5, 32)
+    model = LoopedTransformer(ModelConfig(**SMALL, adapter_init=adapter_init))
+    e, state = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
     torch.testing.assert_close(model.adapter(torch.cat((torch.zeros_like(e), e), dim=-1)), e)
+    carried = state if adapter_init == "sum" else torch.zeros_like(state)
+    torch.testing.assert_close(model.adapter(torch.cat((state, e), dim=-1)), carried + e)
 
 
 def truncated_reference_loss(model: LoopedTransformer, x, y, depth: int, backprop_depth: int):

@@ -13,7 +13,8 @@ A bio is `[SEP] name ([relation] value) x 6`. Template t fixes the order of
 the six facts and the wording of the relation tokens (template t's relation
 tokens are its own). Training bios use the training orders; evaluation uses
 the same people and wordings with the facts in other orders, so recall cannot
-come from memorised sequences (the paper's appendix tables 1-2):
+come from memorised sequences (the paper's appendix tables 1-2). The evaluation
+NLL (`eval_tokens`) is over training-template bios, see there.
 
     training    [SEP] N17 N204 N6 [employer] V6 V10 [birth city] V3 V11 ...
     evaluation  [SEP] N17 N204 N6 [birth city] ___ ___ [employer] V6 V10 ...
@@ -246,11 +247,14 @@ class BiosSource:
         return self._packed(batch_rng(seed, step), batch_size, keep, seq_len, self._training)
 
     def eval_tokens(self, n: int, seq_len: int) -> torch.Tensor:
-        """Packed evaluation-order bios of the same people, fixed by the data seed."""
+        """Packed training-template bios of the same people in a packing of their own, fixed
+        by the data seed. The task is memorisation, so the NLL that matters is the NLL of the
+        facts as trained; an NLL over evaluation orders would be dominated by the unpredictable
+        next relation token, not by the facts (those orders are for recall)."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         rng = np.random.Generator(np.random.PCG64([self.seed, _EVAL_STREAM, _BIOS_SALT]))
-        return self._packed(rng, n, slice(None), seq_len, self._evaluation)
+        return self._packed(rng, n, slice(None), seq_len, self._training)
 
     # --- recall -------------------------------------------------------------------------------
 

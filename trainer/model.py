@@ -51,6 +51,12 @@ class ModelConfig:
     """'pre' (RMSNorm before each sublayer) or 'sandwich' (also after, as in Huginn)."""
     injection: str = "concat"
     """'concat': state = adapter(cat(state, e)), a linear map 2d -> d; 'add': state + e."""
+    adapter_init: str = "sum"
+    """Initial adapter for injection='concat': 'sum' gives adapter(cat(state, e)) = state + e,
+    so the state carries through the iterations; 'input' gives e, the state path starting
+    at zero. Both pass the prelude output through at the first iteration from a zero state.
+    With 'input' a fixed-depth model can learn to ignore the state and stays depth-robust;
+    with 'sum' it specialises to its training depth, as the paper's models do."""
     init_state: str = "zeros"
     """'zeros' (deterministic) or 'noise' (Gaussian, seeded by state_noise_seed, so still deterministic)."""
     state_noise_std: float = 1.0
@@ -79,7 +85,8 @@ class ModelConfig:
         if (self.d_model // self.n_heads) % 2:
             raise ValueError("model.d_model / model.n_heads must be even for rotary embeddings")
         choices = {"mlp": ("gelu", "swiglu"), "norm": ("pre", "sandwich"),
-                   "injection": ("concat", "add"), "init_state": ("zeros", "noise")}
+                   "injection": ("concat", "add"), "adapter_init": ("sum", "input"),
+                   "init_state": ("zeros", "noise")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"model.{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -211,12 +218,14 @@ class LoopedTransformer(nn.Module):
             if name.endswith(("attn.proj.weight", "mlp.down.weight")):
                 nn.init.normal_(p, std=cfg.init_std / math.sqrt(2 * n_blocks))
         if self.adapter is not None:
-            # adapter(cat(state, e)) = e at initialisation: with the zero initial state the
-            # first iteration sees exactly the prelude output, and the state path is learned.
+            # adapter(cat(state, e)) = [state +] e at initialisation: from the zero initial
+            # state the first iteration sees exactly the prelude output.
             d = cfg.d_model
             with torch.no_grad():
                 self.adapter.weight.zero_()
                 self.adapter.weight[:, d:].copy_(torch.eye(d))
+                if cfg.adapter_init == "sum":
+                    self.adapter.weight[:, :d].copy_(torch.eye(d))
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
 
