@@ -20,7 +20,7 @@ import xarray as xr
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from analysis.stats import Method, benefit_by_depth, depth_averaged_benefit
+from analysis.stats import IntervalOptions, benefit_by_depth, depth_averaged_benefit
 from analysis.store import atomic_output
 
 STYLE = "whitegrid"
@@ -134,22 +134,14 @@ def plot_depth_averaged_benefit(
     return ax
 
 
-def figure4(
-    ds: xr.Dataset,
-    *,
-    level: float = 0.95,
-    method: Method = "t",
-    n_resamples: int = 9999,
-    seed: int = 0,
-) -> Figure:
+def figure4(ds: xr.Dataset, *, options: IntervalOptions = IntervalOptions()) -> Figure:
     """The paper's Figure 4 from a results Dataset (one file or several seeds).
 
     Left: benefit by serving depth at 0 and 16 uniform updates. Right: depth-averaged
     benefit at 0, 16, 64 and 256 uniform updates.
     """
-    options = {"level": level, "method": method, "n_resamples": n_resamples, "seed": seed}
-    by_depth = benefit_by_depth(ds, **options)
-    averaged = depth_averaged_benefit(ds, **options)
+    by_depth = benefit_by_depth(ds, options=options)
+    averaged = depth_averaged_benefit(ds, options=options)
     with sns.axes_style(STYLE):
         fig = Figure(figsize=(10.0, 4.0), layout="constrained")
         left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})

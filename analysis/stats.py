@@ -75,7 +75,7 @@ def bca_interval(
 
 @dataclass(frozen=True)
 class IntervalOptions:
-    """How intervals are computed; the keyword arguments of the functions below."""
+    """How intervals are computed; the `options` of the functions below."""
 
     level: float = 0.95
     """Confidence level, in (0, 1)."""
@@ -106,25 +106,18 @@ def replication_units(benefit: xr.DataArray, *, seed_dim: str = "seed") -> tuple
     return benefit, "batch"
 
 
-def interval_over(
-    values: xr.DataArray,
-    dim: str,
-    *,
-    level: float = 0.95,
-    method: Method = "t",
-    n_resamples: int = 9999,
-    seed: int = 0,
-) -> xr.Dataset:
+def interval_over(values: xr.DataArray, dim: str, *, options: IntervalOptions = IntervalOptions()) -> xr.Dataset:
     """An interval for the mean along `dim`, separately at every index of the other dims.
 
     Returns a Dataset with `mean`, `lower`, `upper` (float) and `n` (int), over the other dims.
     """
-    IntervalOptions(level=level, method=method, n_resamples=n_resamples, seed=seed)
     values = values.transpose(..., dim)
     outer_shape = values.shape[:-1]
     data = values.values.reshape(-1, values.shape[-1])  # [units of the other dims, len(dim)]
     rows = [
-        t_interval(row, level) if method == "t" else bca_interval(row, level, n_resamples=n_resamples, seed=seed)
+        t_interval(row, options.level)
+        if options.method == "t"
+        else bca_interval(row, options.level, n_resamples=options.n_resamples, seed=options.seed)
         for row in data
     ]
     columns = np.array([row[:3] for row in rows], dtype=np.float64).reshape(*outer_shape, 3)
@@ -142,8 +135,8 @@ def interval_over(
     )
 
 
-def _describe(intervals: xr.Dataset, ds: xr.Dataset, unit: str, level: float, method: str) -> xr.Dataset:
-    intervals.attrs = {"level": level, "method": method, "unit": unit}
+def _describe(intervals: xr.Dataset, ds: xr.Dataset, unit: str, options: IntervalOptions) -> xr.Dataset:
+    intervals.attrs = {"level": options.level, "method": options.method, "unit": unit}
     if "update_depth" in ds.coords:
         # The benefit is the reference (first) update depth's NLL minus the other's.
         update_depths = [int(d) for d in ds["update_depth"].values]
@@ -154,10 +147,7 @@ def _describe(intervals: xr.Dataset, ds: xr.Dataset, unit: str, level: float, me
 def depth_averaged_benefit(
     ds: xr.Dataset,
     *,
-    level: float = 0.95,
-    method: Method = "t",
-    n_resamples: int = 9999,
-    seed: int = 0,
+    options: IntervalOptions = IntervalOptions(),
     seed_dim: str = "seed",
 ) -> xr.Dataset:
     """Benefit averaged over serving depths, with its interval, per snapshot.
@@ -168,17 +158,14 @@ def depth_averaged_benefit(
     """
     per_batch = ds["benefit"].mean("serving_depth", skipna=False)
     units, unit_dim = replication_units(per_batch, seed_dim=seed_dim)
-    intervals = interval_over(units, unit_dim, level=level, method=method, n_resamples=n_resamples, seed=seed)
-    return _describe(intervals, ds, unit_dim, level, method)
+    intervals = interval_over(units, unit_dim, options=options)
+    return _describe(intervals, ds, unit_dim, options)
 
 
 def benefit_by_depth(
     ds: xr.Dataset,
     *,
-    level: float = 0.95,
-    method: Method = "t",
-    n_resamples: int = 9999,
-    seed: int = 0,
+    options: IntervalOptions = IntervalOptions(),
     seed_dim: str = "seed",
 ) -> xr.Dataset:
     """Benefit at each serving depth with its interval over batches (or seeds).
@@ -186,18 +173,15 @@ def benefit_by_depth(
     Returns mean/lower/upper/n over (`snapshot`, `serving_depth`).
     """
     units, unit_dim = replication_units(ds["benefit"], seed_dim=seed_dim)
-    intervals = interval_over(units, unit_dim, level=level, method=method, n_resamples=n_resamples, seed=seed)
+    intervals = interval_over(units, unit_dim, options=options)
     intervals = intervals.transpose("snapshot", "serving_depth")
-    return _describe(intervals, ds, unit_dim, level, method)
+    return _describe(intervals, ds, unit_dim, options)
 
 
 def summary_table(
     ds: xr.Dataset,
     *,
-    level: float = 0.95,
-    method: Method = "t",
-    n_resamples: int = 9999,
-    seed: int = 0,
+    options: IntervalOptions = IntervalOptions(),
     seed_dim: str = "seed",
 ) -> list[dict]:
     """One row per snapshot, ordered by uniform updates: the depth-averaged benefit and its interval.
@@ -205,9 +189,7 @@ def summary_table(
     Keys: snapshot, uniform_updates, step, mean, lower, upper, n, unit ("batch" or
     the seed dimension), excludes_zero (the interval lies entirely above or below 0).
     """
-    intervals = depth_averaged_benefit(
-        ds, level=level, method=method, n_resamples=n_resamples, seed=seed, seed_dim=seed_dim
-    )
+    intervals = depth_averaged_benefit(ds, options=options, seed_dim=seed_dim)
     intervals = intervals.sortby("uniform_updates")
     rows = []
     for index in range(intervals.sizes["snapshot"]):

@@ -256,7 +256,7 @@ def summarize(results: tuple[Path, ...], as_json: bool, level: float, method: st
     from analysis.store import open_results
 
     options = IntervalOptions(level=level, method=method, n_resamples=n_resamples)
-    rows = summary_table(open_results(results), **dataclasses.asdict(options))
+    rows = summary_table(open_results(results), options=options)
     if as_json:
         # JSON has no NaN: an interval that could not be formed (too few units) is null.
         rows = [{key: _json_number(value) for key, value in row.items()} for row in rows]
@@ -294,7 +294,7 @@ def plot(results: tuple[Path, ...], figure_number: str, out: Path, level: float,
     ds = open_results(results)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fig = figure4(ds, **dataclasses.asdict(options))
+        fig = figure4(ds, options=options)
     for warning in caught:
         click.echo(f"depthdiag: warning: {warning.message}", err=True)
     for path in save_figure(fig, out):

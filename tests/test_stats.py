@@ -8,6 +8,7 @@ import scipy.stats
 import xarray as xr
 
 from analysis.stats import (
+    IntervalOptions,
     bca_interval,
     benefit_by_depth,
     depth_averaged_benefit,
@@ -93,7 +94,7 @@ def test_batch_level_intervals_cover_the_true_mean():
 def test_per_depth_intervals_match_scipy():
     rng = np.random.default_rng(3)
     benefit = correlated_benefit(rng, 3, 10, 6, means=[0.0, 0.5, -0.5])
-    intervals = benefit_by_depth(benefit_results(benefit), level=0.9)
+    intervals = benefit_by_depth(benefit_results(benefit), options=IntervalOptions(level=0.9))
     assert intervals["mean"].dims == ("snapshot", "serving_depth")
     for snapshot in range(3):
         for depth in range(6):
@@ -141,8 +142,9 @@ def test_bca_matches_scipy_bootstrap_and_is_reproducible():
     rng = np.random.default_rng(6)
     benefit = correlated_benefit(rng, 2, 15, 4, means=[0.4, 0.0])
     ds = benefit_results(benefit)
-    intervals = depth_averaged_benefit(ds, method="bca", n_resamples=2000, seed=11)
-    again = depth_averaged_benefit(ds, method="bca", n_resamples=2000, seed=11)
+    options = IntervalOptions(method="bca", n_resamples=2000, seed=11)
+    intervals = depth_averaged_benefit(ds, options=options)
+    again = depth_averaged_benefit(ds, options=options)
     xr.testing.assert_identical(intervals, again)
     for index in range(2):
         batch_means = benefit[index].mean(axis=1)
@@ -184,4 +186,4 @@ def test_single_unit_gives_no_interval_and_excludes_nothing():
 @pytest.mark.parametrize("options", [{"level": 1.5}, {"method": "normal"}, {"n_resamples": 0}])
 def test_bad_options_are_refused(options):
     with pytest.raises(ValueError):
-        depth_averaged_benefit(benefit_results(np.zeros((1, 3, 2))), **options)
+        depth_averaged_benefit(benefit_results(np.zeros((1, 3, 2))), options=IntervalOptions(**options))

@@ -101,8 +101,37 @@ def _pln_draw(rng: np.random.Generator, mean: float, sigma: float, max_depth: in
     return int(min(rng.poisson(math.exp(tau)) + 1, max_depth))
 
 
+class _StationarySchedule:
+    """Shared behaviour of schedules whose depth law is the same at every step; subclasses
+    (frozen dataclasses with `seed` and `total_updates`) give `_draw` and `_distribution`."""
+
+    @property
+    def switch_step(self) -> None:
+        return None
+
+    def depth_at(self, step: int) -> int:
+        return self._draw(_generator(self.seed, _check_step(step)))
+
+    def depth_distribution(self, step: int) -> dict[int, float]:
+        _check_step(step)
+        return self._distribution()
+
+    def average_distribution(self, updates: int | None = None) -> dict[int, float]:
+        """Depth distribution averaged over steps [0, updates) (default: the whole run)."""
+        _check_updates(self, updates)
+        return self._distribution()
+
+    def _draw(self, rng: np.random.Generator) -> int:
+        """One depth drawn with `rng`, the generator of the step."""
+        raise NotImplementedError
+
+    def _distribution(self) -> dict[int, float]:
+        """P(K = k) for every depth k with nonzero probability."""
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
-class FixedSchedule:
+class FixedSchedule(_StationarySchedule):
     """K = depth for every update."""
 
     depth: int
@@ -125,26 +154,15 @@ class FixedSchedule:
     def max_depth(self) -> int:
         return self.depth
 
-    @property
-    def switch_step(self) -> None:
-        return None
-
-    def depth_at(self, step: int) -> int:
-        _check_step(step)
+    def _draw(self, rng: np.random.Generator) -> int:
         return self.depth
 
-    def depth_distribution(self, step: int) -> dict[int, float]:
-        _check_step(step)
-        return {self.depth: 1.0}
-
-    def average_distribution(self, updates: int | None = None) -> dict[int, float]:
-        """Depth distribution averaged over steps [0, updates) (default: the whole run)."""
-        _check_updates(self, updates)
+    def _distribution(self) -> dict[int, float]:
         return {self.depth: 1.0}
 
 
 @dataclass(frozen=True)
-class UniformSchedule:
+class UniformSchedule(_StationarySchedule):
     """K uniform in {low..high} each update."""
 
     low: int
@@ -171,21 +189,8 @@ class UniformSchedule:
     def max_depth(self) -> int:
         return self.high
 
-    @property
-    def switch_step(self) -> None:
-        return None
-
-    def depth_at(self, step: int) -> int:
-        return int(_generator(self.seed, _check_step(step)).integers(self.low, self.high + 1))
-
-    def depth_distribution(self, step: int) -> dict[int, float]:
-        _check_step(step)
-        return self._distribution()
-
-    def average_distribution(self, updates: int | None = None) -> dict[int, float]:
-        """Depth distribution averaged over steps [0, updates) (default: the whole run)."""
-        _check_updates(self, updates)
-        return self._distribution()
+    def _draw(self, rng: np.random.Generator) -> int:
+        return int(rng.integers(self.low, self.high + 1))
 
     def _distribution(self) -> dict[int, float]:
         n = self.high - self.low + 1
@@ -193,7 +198,7 @@ class UniformSchedule:
 
 
 @dataclass(frozen=True)
-class PLNSchedule:
+class PLNSchedule(_StationarySchedule):
     """Poisson-lognormal depth (Geiping et al. 2025); see the module docstring."""
 
     mean: float = 8.0
@@ -224,21 +229,8 @@ class PLNSchedule:
     def max_depth(self) -> int:
         return self.max
 
-    @property
-    def switch_step(self) -> None:
-        return None
-
-    def depth_at(self, step: int) -> int:
-        return _pln_draw(_generator(self.seed, _check_step(step)), self.mean, self.sigma, self.max)
-
-    def depth_distribution(self, step: int) -> dict[int, float]:
-        _check_step(step)
-        return self._distribution()
-
-    def average_distribution(self, updates: int | None = None) -> dict[int, float]:
-        """Depth distribution averaged over steps [0, updates) (default: the whole run)."""
-        _check_updates(self, updates)
-        return self._distribution()
+    def _draw(self, rng: np.random.Generator) -> int:
+        return _pln_draw(rng, self.mean, self.sigma, self.max)
 
     def _distribution(self) -> dict[int, float]:
         probs = _pln_probabilities(float(self.mean), float(self.sigma), self.max)
