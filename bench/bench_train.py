@@ -91,13 +91,15 @@ def throughput(config: RunConfig, spec: str, updates: int, device: torch.device,
     trainer.update(0, schedule.depth_at(0))  # warm-up: allocator, kernels
     seconds = 0.0
     flops = 0.0
-    for step in range(updates):
-        depth = schedule.depth_at(step)
+    depths = [schedule.depth_at(step) for step in range(updates)]
+    for step, depth in enumerate(depths):
         seconds += trainer.update(step, depth)
         flops += update_flops(config.model, depth, batch_size=tc.batch_size, seq_len=tc.seq_len,
                               include_embeddings=True)
     tokens = updates * tc.batch_size * tc.seq_len
-    print(f"{spec:<14} {seconds / updates:>9.3f} s/update  {tokens / seconds:>10,.0f} tokens/s  "
+    # Seconds per update depend on the depths drawn, so the mean depth goes beside them.
+    print(f"{spec:<14} mean depth {sum(depths) / updates:>5.2f}  {seconds / updates:>6.3f} s/update  "
+          f"{tokens / seconds:>8,.0f} tokens/s  "
           f"{flops / seconds / 1e9:>8.2f} GFLOP/s  = {flops / seconds / peak:>6.1%} of matmul peak")
 
 
