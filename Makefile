@@ -7,9 +7,13 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 DEPTHDIAG := $(VENV)/bin/depthdiag
-# The CPU wheel by default, so a CPU machine never downloads a CUDA build;
-# on a GPU machine: make figure4 TORCH_SPEC='torch>=2.4,<3' CONFIG=configs/paper-200m.toml
-TORCH_SPEC ?= torch==2.13.0
+# The CPU wheel by default (the +cpu local version), so a CPU machine never
+# downloads a CUDA build. Where that wheel is not on a local find-links path,
+# fetch it from PyTorch's CPU index:
+#   make TORCH_INDEX='--extra-index-url https://download.pytorch.org/whl/cpu' ...
+# On a GPU machine: make figure4 TORCH_SPEC='torch>=2.4,<3' CONFIG=configs/paper-200m.toml
+TORCH_SPEC ?= torch==2.13.0+cpu
+TORCH_INDEX ?=
 
 CONFIG ?= configs/tiny.toml
 NAME := $(basename $(notdir $(CONFIG)))
@@ -30,7 +34,7 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet $(TORCH_INDEX) "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 
@@ -39,11 +43,11 @@ figure4: $(FIGURE) results/$(NAME)-summary.txt
 # The run's summary.json marks a finished training run (snapshots included). A
 # run interrupted before it resumes from its newest checkpoint; a finished run
 # whose config or sources changed starts over, and its diagnostics with it.
-$(RUN_DIR)/summary.json: $(CONFIG) $(TRAINER_SOURCES) $(VENV)/.installed
+$(RUN_DIR)/summary.json: $(CONFIG) $(TRAINER_SOURCES) | $(VENV)/.installed
 	if [ -e $@ ]; then rm -rf $(RUN_DIR) $(RESULTS) $(RESULTS).parts; fi
 	$(DEPTHDIAG) train $(CONFIG) --out $(RUN_DIR) $$(if [ -e $(RUN_DIR)/checkpoints/latest ]; then echo --resume $(RUN_DIR); fi)
 
-$(RESULTS): $(RUN_DIR)/summary.json $(DIAG_SOURCES)
+$(RESULTS): $(RUN_DIR)/summary.json $(DIAG_SOURCES) analysis/store.py
 	mkdir -p $(dir $@)
 	rm -f $@
 	$(DEPTHDIAG) diagnose $(RUN_DIR)/snapshots/*.pt --out $@ --batches $(BATCHES) --resume

@@ -163,7 +163,8 @@ def clip_gradients(grads: list[Tensor], max_norm: float | None) -> list[Tensor]:
     """Scale as `torch.nn.utils.clip_grad_norm_(params, max_norm)` would (out of place)."""
     if not max_norm or not grads:
         return grads
-    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    # The norm clip_grad_norm_ computes, spelled out: torch.nn.utils.get_total_norm needs torch >= 2.6.
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     return [g * coef.to(g.device) for g in grads]
 

@@ -36,8 +36,9 @@ def test_nll_by_depth_equals_separate_forwards(init_state, variant):
     assert (separate.max() - separate.min()) > 1e-3
 
 
-def test_nll_by_depth_deep_and_unordered():
-    model = trained_like(ModelConfig(**SMALL))
+@pytest.mark.parametrize("init_state", ["zeros", "noise"])
+def test_nll_by_depth_deep_and_unordered(init_state):
+    model = trained_like(ModelConfig(**SMALL, init_state=init_state))
     x, y = torch.randint(0, 40, (1, 12)), torch.randint(0, 40, (1, 12))
     depths = [64, 1, 33, 7]
     with torch.no_grad():
