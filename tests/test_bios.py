@@ -133,18 +133,6 @@ def test_batches_and_eval_tokens_pack_training_bios(source):
     assert not training_rows & {tuple(row) for row in source.eval_tokens(64, 64).tolist()}
 
 
-def test_batch_is_pure_in_seed_and_step_and_ranks_concatenate(source):
-    batch = source.batch(1, 10, 8, 64)
-    assert torch.equal(batch, source.batch(1, 10, 8, 64))
-    assert not torch.equal(batch, source.batch(1, 11, 8, 64))
-    assert not torch.equal(batch, source.batch(2, 10, 8, 64))
-    for world_size in (2, 4):
-        slices = [source.batch(1, 10, 8, 64, rank=r, world_size=world_size) for r in range(world_size)]
-        assert torch.equal(torch.cat(slices), batch)
-    with pytest.raises(ValueError, match="multiple"):
-        source.batch(1, 10, 6, 64, rank=0, world_size=4)
-
-
 def test_score_recall_matches_a_loop_reference():
     rng = np.random.default_rng(0)
     cardinalities = (200, 28, 12, 100, 25, 67)

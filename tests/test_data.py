@@ -49,10 +49,12 @@ def test_bin_uint32_vocab_from_meta_json_or_the_data(tmp_path):
     assert int(with_meta.batch(0, 0, 4, 3).max()) == 70000
 
 
-@pytest.mark.parametrize("kind", ["bin", "text"])
+@pytest.mark.parametrize("kind", ["bin", "text", "bios"])
 def test_batch_is_pure_in_seed_and_step_and_ranks_concatenate(tmp_path, kind):
     if kind == "bin":
         source = write_bins(tmp_path, np.arange(4000), np.arange(500))
+    elif kind == "bios":
+        source = build_source(DataConfig(source="bios", bios_people=60, seed=3))
     else:
         (tmp_path / "t.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40, encoding="utf-8")
         source = build_source(DataConfig(source="text", path=str(tmp_path / "t.txt")))
@@ -65,6 +67,8 @@ def test_batch_is_pure_in_seed_and_step_and_ranks_concatenate(tmp_path, kind):
         assert torch.equal(torch.cat(parts), batch)
     with pytest.raises(ValueError):
         source.batch(7, 3, 8, 32, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="multiple"):
+        source.batch(7, 3, 6, 32, rank=0, world_size=4)
 
 
 def test_text_is_byte_level_with_the_last_tenth_held_out(tmp_path):
