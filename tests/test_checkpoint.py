@@ -19,7 +19,7 @@ from trainer.data import build_source
 from trainer.errors import InputError
 from trainer.model import LoopedTransformer
 from trainer.schedules import parse_schedule
-from trainer.train import clip_gradients, lr_at, train, training_loss
+from trainer.train import TrainStep, lr_at, train, training_loss
 
 WORDS = "a stitch in time saves nine but the early bird still catches the worm at dawn".split()
 
@@ -117,10 +117,8 @@ def test_run_snapshots_carry_the_runs_state_batches_and_eval_set(run):
 
     # The snapshot's next batch, depth and LR reproduce the run's next update exactly.
     model = at_switch.model()
-    optimizer = at_switch.optimizer(model)
-    training_loss(model, at_switch.batches[0], depth=schedule.depth_at(4)).backward()
-    clip_gradients(list(model.parameters()), config.optim.grad_clip)
-    optimizer.step()
+    update = TrainStep(model, at_switch.optimizer(model), precision=tc.precision, grad_clip=config.optim.grad_clip)
+    update(at_switch.batches[0], schedule.depth_at(4), at_switch.lr)
     assert_same_state(model.state_dict(), after_one.model_state)
 
 

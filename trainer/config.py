@@ -107,7 +107,10 @@ class TrainConfig:
     snapshot_batches: int = 64
     """Training batches carried by each snapshot (the next ones the run would see)."""
     precision: str = "fp32"
-    """'fp32' or 'bf16' (autocast)."""
+    """'fp32' or 'bf16' (autocast: matmuls in bf16, norms, attention on the CPU, and the loss in fp32)."""
+    compile: bool = False
+    """torch.compile every transformer block (the loop over depths stays in Python, so no depth
+    recompiles); pays off on GPUs, gains about 10% on the tiny CPU config for about 25 s of compiling."""
     device: str = "auto"
     """'auto' (cuda when available), 'cpu' or 'cuda'."""
     log_every: int = 10

@@ -42,6 +42,14 @@ def resolve_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` does bf16 matmuls in hardware (CUDA with bf16, or a CPU with
+    AVX512-BF16 or AMX); elsewhere bf16 autocast is emulated and slower than fp32."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def init_world(device_choice: str) -> World:
     """Join the process group torchrun describes in the environment (RANK,
     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or run alone without it."""

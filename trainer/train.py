@@ -30,14 +30,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
 
+from common.progress import progress_bar
 from trainer.checkpoint import (atomic_write_text, build_optimizer, load_snapshot, save_checkpoint,
                                 save_snapshot, set_rng_state)
 from trainer.config import OptimConfig, RunConfig
 from trainer.data import build_source
 from trainer.distributed import (World, all_gather_ints, all_reduce_int, all_reduce_sum, barrier, init_world,
-                                 shutdown_world)
+                                 native_bf16, shutdown_world)
 from trainer.errors import InputError
 from trainer.flops import update_flops
 from trainer.model import IGNORE_INDEX, LoopedTransformer
@@ -122,6 +122,51 @@ def clip_gradients(params: list[torch.Tensor], grad_clip: float) -> torch.Tensor
     return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
 
+class TrainStep:
+    """One training update: the forward at a depth under the run's precision, the summed
+    token loss divided by the counted targets, backward, global-norm clipping and the
+    optimizer step. The loop, the benchmarks and the GPU check all train through it, so
+    there is one definition of an update.
+
+    Nothing is read back to the host: the loss sum and the gradient norm come back as
+    tensors, and a device keeps working until the caller logs them."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, precision: str = "fp32",
+                 grad_clip: float = 0.0, forward: torch.nn.Module | None = None):
+        self.model = model
+        self.optimizer = optimizer
+        self.precision = precision
+        self.grad_clip = grad_clip
+        self.forward = forward if forward is not None else model
+        """What the forward runs through: the model, or its DistributedDataParallel wrapper."""
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    @classmethod
+    def for_run(cls, model: torch.nn.Module, config: RunConfig,
+                forward: torch.nn.Module | None = None) -> "TrainStep":
+        """The run's optimizer over `model` (already on its device) and the run's settings;
+        compiles the model's blocks when the run asks for it."""
+        if config.train.compile:
+            model.compile_blocks()
+        return cls(model, build_optimizer(model, config.optim), precision=config.train.precision,
+                   grad_clip=config.optim.grad_clip, forward=forward)
+
+    def __call__(self, batch: torch.Tensor, depth: int, lr: float,
+                 divisor: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Take one update on `batch` int64 [B, T+1] (on the model's device) at `depth` with
+        learning rate `lr`; returns (summed token loss, gradient norm before clipping).
+        The loss is divided by `divisor`, by default this batch's counted targets (under
+        DDP the loop passes the global count per rank, as DDP averages over ranks)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = loss_sum_of(self.forward, batch, depth, precision=self.precision)
+        (loss_sum / (divisor if divisor is not None else counted_targets(batch))).backward()
+        grad_norm = clip_gradients(self.params, self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum.detach(), grad_norm.detach()
+
+
 @dataclass(frozen=True)
 class TrainSummary:
     """What a finished run reports (also written to run_dir/summary.json)."""
@@ -193,6 +238,9 @@ def _train(config: RunConfig, run_dir: Path, world: World, *, resume: bool, prog
     if tc.batch_size % world.world_size:
         raise InputError(f"train.batch_size={tc.batch_size}: not divisible by the {world.world_size} processes")
     schedule = parse_schedule(tc.schedule, seed=tc.seed, total_updates=tc.updates)
+    if tc.precision == "bf16" and not native_bf16(world.device) and world.is_main:
+        warnings.warn(f"train.precision='bf16': {world.device} has no native bf16 matmuls, so autocast "
+                      "emulates them and runs slower than fp32; consider --set train.precision=fp32", stacklevel=2)
     source = build_source(config.data)
     if config.model.vocab_size < source.vocab_size:
         raise InputError(f"model.vocab_size={config.model.vocab_size} is smaller than the data's vocabulary "
@@ -219,13 +267,13 @@ def _train(config: RunConfig, run_dir: Path, world: World, *, resume: bool, prog
     elif checkpoint_path is not None:
         raise InputError(f"{run_dir}: already holds a run ({checkpoint_path.name}); resume it or choose another output")
     model.to(world.device)
-    optimizer = build_optimizer(model, config.optim)  # after the move: loaded state follows the parameters' device
-    if state is not None:
-        optimizer.load_state_dict(state.optimizer_state)
     # Every parameter takes part at every depth, so DDP needs no unused-parameter search.
     ddp = DistributedDataParallel(model, device_ids=[world.device.index] if world.device.type == "cuda" else None) \
         if world.distributed else None
-    forward = ddp if ddp is not None else model
+    update = TrainStep.for_run(model, config, forward=ddp)  # after the move: loaded state follows the parameters
+    optimizer = update.optimizer
+    if state is not None:
+        optimizer.load_state_dict(state.optimizer_state)
 
     final_loss = float("nan")  # rank 0 knows it from the kept metrics of a resumed run
     if world.is_main:
@@ -271,20 +319,16 @@ def _train(config: RunConfig, run_dir: Path, world: World, *, resume: bool, prog
             atomic_write_text(path.name + "\n", path.parent / LATEST)
             written_checkpoints.append(str(path))
 
-    params = [p for p in model.parameters() if p.requires_grad]
     interval_loss = torch.zeros((), dtype=torch.float64, device=world.device)
     interval_tokens = torch.zeros((), dtype=torch.float64, device=world.device)
     metrics = (run_dir / "metrics.jsonl").open("a", encoding="utf-8") if world.is_main else None
-    bar = tqdm(total=tc.updates, initial=start, desc="train", unit="upd", dynamic_ncols=True,
-               disable=not (progress and world.is_main))
+    bar = progress_bar(tc.updates, "train", "upd", initial=start, enabled=progress and world.is_main)
     try:
         write_boundary(start)
         session_began, wall_time_before = time.perf_counter(), counters["wall_time"]
         for step in range(start, tc.updates):
             depth = schedule.depth_at(step)
             lr = lr_at(step, config.optim, tc.updates)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
             batch = source.batch(tc.seed, step, tc.batch_size, tc.seq_len, rank=world.rank,
                                  world_size=world.world_size)  # [B/world, T+1], on the CPU
             # The mean over the global batch's counted tokens. DDP averages gradients over ranks,
@@ -292,13 +336,9 @@ def _train(config: RunConfig, run_dir: Path, world: World, *, resume: bool, prog
             # exactly `training_loss`.
             local_count = counted_targets(batch)
             count = all_reduce_int(world, local_count)
-            loss_sum = loss_sum_of(forward, batch.to(world.device), depth, precision=tc.precision)
-            (loss_sum / (count / world.world_size)).backward()
-            grad_norm = clip_gradients(params, config.optim.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            loss_sum, grad_norm = update(batch.to(world.device), depth, lr, divisor=count / world.world_size)
 
-            interval_loss += loss_sum.detach().to(torch.float64)
+            interval_loss += loss_sum.to(torch.float64)
             interval_tokens += local_count
             counters["tokens"] += tc.batch_size * tc.seq_len
             counters["flops"] += update_flops(config.model, depth, batch_size=tc.batch_size, seq_len=tc.seq_len)
@@ -320,7 +360,7 @@ def _train(config: RunConfig, run_dir: Path, world: World, *, resume: bool, prog
                         record["rank_depths"] = depths
                     metrics.write(json.dumps(record) + "\n")
                     metrics.flush()
-                bar.set_postfix(loss=f"{final_loss:.4f}", depth=depth, refresh=False)
+            bar.set_postfix(depth=depth, loss=f"{final_loss:.4f}", refresh=False)  # the last logged interval's
             bar.update(1)
             write_boundary(done)
     finally:
