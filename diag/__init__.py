@@ -5,11 +5,25 @@
 runs one (snapshot, batch) unit; `UpdateDiagnostic` shares the per-snapshot work
 (Delta(0), the NLL before the update) across batches; `diag.run.diagnose` runs
 many snapshot files into one results file. See docs/diagnostic.md.
+
+The names below load on first use: `import diag.cli` (the `depthdiag` command)
+must not pay for importing torch and xarray just to print its help.
 """
 
-from diag.engine import (DiagnosticOptions, UpdateDiagnostic, compare_updates, global_cosine, global_rms,
-                         match_rms)
-from diag.optim_step import OptimizerStep, optimizer_step
+from importlib import import_module
 
-__all__ = ["DiagnosticOptions", "OptimizerStep", "UpdateDiagnostic", "compare_updates", "global_cosine",
-           "global_rms", "match_rms", "optimizer_step"]
+_HOMES = {"DiagnosticOptions": "diag.engine", "UpdateDiagnostic": "diag.engine", "compare_updates": "diag.engine",
+          "global_cosine": "diag.engine", "global_rms": "diag.engine", "match_rms": "diag.engine",
+          "OptimizerStep": "diag.optim_step", "optimizer_step": "diag.optim_step"}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'diag' has no attribute {name!r}")
+    return getattr(import_module(_HOMES[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -19,7 +19,6 @@ import datetime
 import json
 import shutil
 import subprocess
-import sys
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
@@ -27,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import xarray as xr
-from tqdm import tqdm
 
 from analysis.store import atomic_output, write_dataset
+from common.progress import progress_bar
 from diag.engine import DiagnosticOptions, UpdateDiagnostic
 from trainer.checkpoint import Snapshot, load_snapshot
 from trainer.data import build_source
@@ -235,8 +234,7 @@ def _run_units(config: DiagnoseConfig, entries: list[_Entry], parts: Path, devic
     todo = {e.name: [i for i in range(e.batches) if not _part_path(parts, e, i).exists()] for e in entries}
     total = sum(e.batches for e in entries)
     done = total - sum(len(v) for v in todo.values())
-    with tqdm(total=total, initial=done, desc="diagnose", unit="unit",
-              disable=None if config.progress else True) as bar:
+    with progress_bar(total, "diagnose", "unit", initial=done, enabled=config.progress) as bar:
         for entry in entries:
             if not todo[entry.name]:
                 continue
@@ -248,7 +246,7 @@ def _run_units(config: DiagnoseConfig, entries: list[_Entry], parts: Path, devic
             diagnostic = UpdateDiagnostic(model, optimizer, snap.eval_tokens, options)
             warning = _bias_correction_warning(entry, optimizer)
             if warning:
-                tqdm.write(warning, file=sys.stderr)
+                bar.write(warning)
             batch_at = _batches(entry, snap)
             for i in todo[entry.name]:
                 bar.set_postfix_str(f"{entry.name} batch {i}")

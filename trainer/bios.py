@@ -36,7 +36,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 import torch
-from tqdm import tqdm
+from common.progress import track
 
 from trainer.data import batch_rng, rank_rows
 
@@ -325,7 +325,8 @@ def recall_bits(model: torch.nn.Module, source: BiosSource, depths: Sequence[int
     was_training = model.training
     model.eval()
     try:
-        for start in tqdm(range(0, len(tokens), batch_size), desc="recall", disable=not progress):
+        starts = range(0, len(tokens), batch_size)
+        for start in track(starts, len(starts), "recall", "batch", enabled=progress):
             chunk = slice(start, start + batch_size)
             ids, own = tokens[chunk].to(device), owner[chunk].to(device)
             for i, (_, logits) in enumerate(logits_by_depth(model, ids, depths)):

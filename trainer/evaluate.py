@@ -11,8 +11,8 @@ from typing import Sequence
 import numpy as np
 import torch
 import xarray as xr
-from tqdm import tqdm
 
+from common.progress import track
 from trainer.checkpoint import load_snapshot
 from trainer.distributed import resolve_device
 from trainer.errors import InputError
@@ -45,7 +45,7 @@ def nll_by_serving_depth(model: torch.nn.Module, tokens: torch.Tensor, depths: S
     counted = 0
     starts = range(0, tokens.shape[0], batch_size)
     with torch.no_grad():
-        for start in tqdm(starts, desc="eval", unit="batch", disable=not progress, dynamic_ncols=True):
+        for start in track(starts, len(starts), "eval", "batch", enabled=progress):
             chunk = tokens[start:start + batch_size].to(device)  # [b, T+1]
             n = int((chunk[:, 1:] != IGNORE_INDEX).sum())
             if n == 0:
