@@ -1,12 +1,16 @@
-"""One diagnostic unit vs the sum of its unavoidable parts.
+"""Diagnose throughput and the cost of one diagnostic unit.
 
-Contract (DESIGN.md section 8): a (snapshot, batch) unit of the update
-diagnostic takes at most 1.15x the time of the work it cannot avoid: one
-forward+backward pass at each update depth and one all-depth evaluation
-(`nll_by_depth` over the serving depths) per update. The per-snapshot work
-(Delta(0), the NLL before the update) is shared by all of a snapshot's batches
-and done before timing. Both sides are timed alternately in the same run, so
-machine noise hits both; only the ratio is reported.
+1. Units per minute of the default diagnostic (gradient passes in the run's training
+   precision, evaluation as `UpdateDiagnostic.evaluate` does it) against the first
+   version's path (fp32 gradient passes, one update at a time in chunks of 32 rows),
+   alternated in one process. Both give the same NLL within rounding when the
+   precision is the same (tests/test_engine.py checks the evaluation to 1e-6).
+2. Evaluation variants, measured on the same updates: chunk sizes, and both updates
+   stacked under torch.func.vmap.
+3. One unit against the sum of its unavoidable parts (two forward+backward passes, one
+   all-depth evaluation per update). Contract (DESIGN.md section 8): at most 1.15x.
+4. Peak resident memory of a diagnose process against the size of weights plus
+   optimizer state (a fresh subprocess, so nothing else inflates its peak).
 
     .venv/bin/python bench/bench_diag.py [--config configs/tiny.toml] [--repeats 3]
 """
@@ -14,69 +18,176 @@ machine noise hits both; only the ratio is reported.
 from __future__ import annotations
 
 import argparse
+import json
+import resource
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-from diag.engine import DiagnosticOptions, UpdateDiagnostic
+from diag.engine import DiagnosticOptions, UpdateDiagnostic, _NllByDepth
 from trainer.checkpoint import build_optimizer
-from trainer.config import load_config
+from trainer.config import RunConfig, load_config
 from trainer.model import LoopedTransformer
 
 UPDATE_DEPTHS, SERVING = (4, 16), tuple(range(1, 17))
+FIRST_VERSION = {"precision": "fp32", "eval_batch_size": 32}
+"""The settings of the first version's diagnose on the tiny config."""
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/tiny.toml")
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-
-    config = load_config(args.config)
+def snapshot_like(config: RunConfig):
+    """A model and optimizer with state (one real step taken), a batch and an evaluation set."""
     cfg, T, B, E = config.model, config.train.seq_len, config.train.batch_size, config.data.eval_sequences
     torch.manual_seed(0)
     model = LoopedTransformer(cfg)
     optimizer = build_optimizer(model, config.optim)
     batch = torch.randint(0, cfg.vocab_size, (B, T + 1))
     eval_tokens = torch.randint(0, cfg.vocab_size, (E, T + 1))
-    # One real step so the optimizer carries state, as at any snapshot.
     F.cross_entropy(model(batch[:, :-1], depth=4).flatten(0, 1), batch[:, 1:].flatten()).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return model, optimizer, batch, eval_tokens
 
+
+def timed(fn) -> float:
+    began = time.perf_counter()
+    fn()
+    return time.perf_counter() - began
+
+
+def alternated(functions: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each function, run in turns after one warm-up each."""
+    for fn in functions.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in functions}
+    for _ in range(repeats):
+        for name, fn in functions.items():
+            times[name].append(timed(fn))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def throughput(config: RunConfig, repeats: int) -> dict:
+    model, optimizer, batch, eval_tokens = snapshot_like(config)
+    common = dict(update_depths=UPDATE_DEPTHS, serving_depths=SERVING, grad_clip=config.optim.grad_clip or None)
+    default = DiagnosticOptions(precision=config.train.precision, **common)
+    diagnostics = {"default": UpdateDiagnostic(model, optimizer, eval_tokens, default),
+                   "first version": UpdateDiagnostic(model, optimizer, eval_tokens,
+                                                     DiagnosticOptions(**FIRST_VERSION, **common))}
+    for diagnostic in diagnostics.values():
+        diagnostic.delta0, diagnostic.nll_before  # per-snapshot work, shared by every batch
+    seconds = alternated({name: (lambda d=d: d.compare(batch)) for name, d in diagnostics.items()}, repeats)
+    return {"default_options": {"precision": default.precision, "eval_batch_size": default.eval_batch_size},
+            "first_version_options": FIRST_VERSION,
+            "units_per_minute": {name: 60 / s for name, s in seconds.items()},
+            "speedup": seconds["first version"] / seconds["default"]}
+
+
+def evaluation_variants(config: RunConfig, repeats: int) -> dict:
+    """Seconds to evaluate two updated parameter sets, per variant, and the largest NLL
+    difference of each from the one-at-a-time chunk-32 evaluation."""
+    model, optimizer, batch, eval_tokens = snapshot_like(config)
+    options = dict(update_depths=UPDATE_DEPTHS, serving_depths=SERVING, grad_clip=config.optim.grad_clip or None)
+    by_chunk = {rows: UpdateDiagnostic(model, optimizer, eval_tokens, DiagnosticOptions(eval_batch_size=rows, **options))
+                for rows in (16, 32, 64)}
+    reference = by_chunk[32]
+    updates = [reference.update(reference.gradient(batch, depth)[1]) for depth in UPDATE_DEPTHS]
+    results = {f"one at a time, {rows} rows per chunk": (lambda d=d: [d.evaluate(u) for u in updates])
+               for rows, d in by_chunk.items()}
+    results["stacked under vmap, 64 rows"] = lambda: stacked_evaluation(reference, updates)
+    expected = torch.tensor([reference.evaluate(u) for u in updates])
+    seconds = alternated(results, repeats)
+    differences = {name: float((torch.as_tensor(fn()) - expected).abs().max()) for name, fn in results.items()}
+    return {name: {"seconds": seconds[name], "max_nll_difference": differences[name]} for name in results}
+
+
+def stacked_evaluation(diagnostic: UpdateDiagnostic, updates) -> torch.Tensor:
+    """Both updated parameter sets evaluated in one vmap over stacked weights: [updates, S]."""
+    params = []
+    for update in updates:
+        values = dict(diagnostic.theta)
+        for name, u in zip(diagnostic.stepped, update):
+            values[name] = values[name] + u
+        params.append(values)
+    stacked = {f"model.{name}": torch.stack([p[name] for p in params]) for name in params[0]}
+    buffers = {f"model.{name}": b for name, b in diagnostic.buffers.items()}
+    module = _NllByDepth(diagnostic.model)
+    tokens = diagnostic.eval_tokens
+    with torch.no_grad():
+        nll = torch.vmap(lambda p: torch.func.functional_call(
+            module, {**p, **buffers}, (tokens[:, :-1], tokens[:, 1:], list(SERVING))))(stacked)
+    return nll.double()
+
+
+def unit_vs_parts(config: RunConfig, repeats: int) -> dict:
+    model, optimizer, batch, eval_tokens = snapshot_like(config)
     options = DiagnosticOptions(update_depths=UPDATE_DEPTHS, serving_depths=SERVING,
-                                grad_clip=config.optim.grad_clip or None)
+                                grad_clip=config.optim.grad_clip or None, precision=config.train.precision)
     diagnostic = UpdateDiagnostic(model, optimizer, eval_tokens, options)
-    diagnostic.delta0, diagnostic.nll_before  # per-snapshot work, shared by every batch
-
-    def unit() -> None:
-        diagnostic.compare(batch)
+    diagnostic.delta0, diagnostic.nll_before
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=options.precision == "bf16")
 
     def parts() -> None:
         for depth in UPDATE_DEPTHS:
-            loss = F.cross_entropy(model(batch[:, :-1], depth=depth).flatten(0, 1), batch[:, 1:].flatten())
+            with autocast:
+                logits = model(batch[:, :-1], depth=depth)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
             torch.autograd.grad(loss, list(model.parameters()))
         with torch.no_grad():
             for _ in UPDATE_DEPTHS:
                 for rows in eval_tokens.split(options.eval_batch_size):
                     model.nll_by_depth(rows[:, :-1], rows[:, 1:], SERVING)
 
-    times: dict[str, list[float]] = {"unit": [], "parts": []}
-    unit(), parts()  # warm-up
-    for _ in range(args.repeats):
-        for name, fn in (("unit", unit), ("parts", parts)):
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+    seconds = alternated({"unit": lambda: diagnostic.compare(batch), "parts": parts}, repeats)
+    return {"unit_seconds": seconds["unit"], "parts_seconds": seconds["parts"],
+            "ratio": seconds["unit"] / seconds["parts"]}
 
-    ratio = statistics.median(times["unit"]) / statistics.median(times["parts"])
-    print(f"diagnostic unit (update depths {UPDATE_DEPTHS}, serving 1..16) vs its unavoidable parts, "
-          f"batch {B}x{T}, {E} eval sequences, {args.config}")
-    print(f"  unit {statistics.median(times['unit']):.3f}s, parts {statistics.median(times['parts']):.3f}s "
-          f"(medians of {args.repeats}, alternated)")
-    print(f"  ratio: {ratio:.3f}x (contract <= 1.15): {'PASS' if ratio <= 1.15 else 'FAIL'}")
+
+def memory_probe(config_path: str) -> None:
+    """Run in a fresh process: RSS before and after building and running two units."""
+    config = load_config(config_path)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    model, optimizer, batch, eval_tokens = snapshot_like(config)
+    options = DiagnosticOptions(precision=config.train.precision, grad_clip=config.optim.grad_clip or None)
+    diagnostic = UpdateDiagnostic(model, optimizer, eval_tokens, options)
+    for _ in range(2):
+        diagnostic.compare(batch)
+    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    state_bytes += sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+                       if torch.is_tensor(t))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"peak_rss_bytes": peak, "rss_before_model_bytes": before,
+                      "weights_and_optimizer_bytes": state_bytes}))
+
+
+def memory(config_path: str) -> dict:
+    result = subprocess.run([sys.executable, __file__, "--config", config_path, "--memory-probe"],
+                            capture_output=True, text=True, check=True)
+    probe = json.loads(result.stdout.strip().splitlines()[-1])
+    probe["peak_over_baseline_per_state_byte"] = ((probe["peak_rss_bytes"] - probe["rss_before_model_bytes"])
+                                                  / probe["weights_and_optimizer_bytes"])
+    return probe
+
+
+def run(config_path: str, repeats: int = 3) -> dict:
+    config = load_config(config_path)
+    return {"config": config_path, "threads": torch.get_num_threads(),
+            "throughput": throughput(config, repeats), "evaluation": evaluation_variants(config, repeats),
+            "unit_vs_parts": unit_vs_parts(config, repeats), "memory": memory(config_path)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/tiny.toml")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--memory-probe", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory_probe:
+        memory_probe(args.config)
+        return
+    print(json.dumps(run(args.config, args.repeats), indent=2))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,114 @@
+"""`make bench`: every benchmark in one process, one after another, into bench/results.json.
+
+Each figure is a ratio of two sides measured alternately in this run (never an
+absolute time compared with a threshold), printed next to its target. The README's
+performance table is rendered from the written file by bench/report.py.
+
+    .venv/bin/python bench/run.py [--config configs/tiny.toml] [--out bench/results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def help_seconds(repeats: int = 5) -> float:
+    """Median wall time of `depthdiag --help` in a fresh interpreter."""
+    command = [sys.executable, "-c", "from diag.cli import main; main(['--help'])"]
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        subprocess.run(command, capture_output=True, check=True, cwd=ROOT)
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def machine() -> dict:
+    import torch
+
+    cpu = "unknown"
+    if Path("/proc/cpuinfo").is_file():
+        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()}
+
+
+def figures(results: dict) -> list[dict]:
+    """The table: one row per benchmark figure, with its target and whether it holds."""
+    train, diag, model = results["train"], results["diag"], results["model"]
+    settings = train["settings"]
+    default_side = settings["default_is"]
+    rows = [
+        {"benchmark": "training updates/s, tiny config, default vs plain fp32 eager (alternated)",
+         "measured": settings["speedup_vs_plain"][default_side], "target": ">= 2.0", "holds":
+         settings["speedup_vs_plain"][default_side] >= 2.0, "unit": "x"},
+        {"benchmark": "diagnose units/min, default vs the first version's one-at-a-time path",
+         "measured": diag["throughput"]["speedup"], "target": ">= 2.0",
+         "holds": diag["throughput"]["speedup"] >= 2.0, "unit": "x"},
+        {"benchmark": "nll_by_depth s=1..16 vs separate forwards, fraction of the FLOPs model's speed-up",
+         "measured": model["depths_1_16"]["fraction"], "target": ">= 0.85",
+         "holds": model["depths_1_16"]["fraction"] >= 0.85, "unit": ""},
+        {"benchmark": "nll_by_depth s=1..64 vs separate forwards, fraction of the FLOPs model's speed-up",
+         "measured": model["depths_1_64"]["fraction"], "target": ">= 0.85",
+         "holds": model["depths_1_64"]["fraction"] >= 0.85, "unit": ""},
+        {"benchmark": "one diagnostic unit vs its unavoidable parts", "measured": diag["unit_vs_parts"]["ratio"],
+         "target": "<= 1.15", "holds": diag["unit_vs_parts"]["ratio"] <= 1.15, "unit": "x"},
+        {"benchmark": "fixed-first vs uniform wall-clock saving, measured / modeled",
+         "measured": train["fixed_first"]["ratio"], "target": ">= 0.90",
+         "holds": train["fixed_first"]["ratio"] >= 0.90, "unit": ""},
+        {"benchmark": "`depthdiag --help` wall time", "measured": results["help_seconds"], "target": "< 0.5",
+         "holds": results["help_seconds"] < 0.5, "unit": "s"},
+    ]
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| benchmark | measured | target | holds |", "|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['benchmark']} | {row['measured']:.2f}{row['unit']} | {row['target']} | "
+                     f"{'yes' if row['holds'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/tiny.toml")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results.json"))
+    args = parser.parse_args()
+
+    import bench_diag
+    import bench_model
+    import bench_train
+
+    began = time.perf_counter()
+    results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "machine": machine(), "help_seconds": help_seconds()}
+    for name, module in (("model", bench_model), ("train", bench_train), ("diag", bench_diag)):
+        print(f"bench: {name} ...", file=sys.stderr, flush=True)
+        results[name] = module.run(args.config) if name != "train" else module.run(args.config, [])
+    results["figures"] = figures(results)
+    results["seconds"] = time.perf_counter() - began
+    out = Path(args.out)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, out)
+    print(format_table(results["figures"]))
+    print(f"wrote {out} ({results['seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
