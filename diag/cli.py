@@ -350,6 +350,32 @@ def plot(results: tuple[Path, ...], figure_number: str, out: Path, level: float,
         click.echo(f"wrote {path}")
 
 
+@main.command()
+@click.argument("results", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--after", "after_updates", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Compare the switch with the snapshot after this many uniform updates.")
+@click.option("--json", "as_json", is_flag=True, help="Print the table as JSON (NaN as null).")
+@_interval_options
+@reports_input_errors
+def sensitivity(results: tuple[Path, ...], after_updates: int, as_json: bool, level: float, method: str,
+                n_resamples: int) -> None:
+    """Depth-averaged benefit at the switch and after --after uniform updates, for every
+    (isolate, rms_match) combination among RESULTS, as a Markdown table.
+
+    RESULTS may mix settings and seeds: files are grouped by their isolate and rms_match
+    attributes and each group is combined along seeds (its files must differ in the seed only).
+    """
+    from analysis.sensitivity import format_sensitivity_markdown, sensitivity_table
+    from analysis.stats import IntervalOptions
+
+    options = IntervalOptions(level=level, method=method, n_resamples=n_resamples)
+    table = sensitivity_table(results, after_updates=after_updates, options=options)
+    if as_json:
+        click.echo(json.dumps(_json_ready(table.to_dict()), indent=2))
+    else:
+        click.echo(format_sensitivity_markdown(table))
+
+
 if __name__ == "__main__":
     # `torchrun --nproc_per_node=N -m diag.cli train CONFIG` runs the same command on every rank.
     main(prog_name="depthdiag")

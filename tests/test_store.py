@@ -219,7 +219,10 @@ def test_incompatible_or_duplicate_seeds_are_refused(tmp_path):
 
 
 def test_analysis_never_imports_torch():
-    code = "import sys, analysis, analysis.store, analysis.stats, analysis.figures; print('torch' in sys.modules)"
+    code = (
+        "import sys, analysis, analysis.store, analysis.stats, analysis.figures, analysis.sensitivity; "
+        "print('torch' in sys.modules)"
+    )
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "MPLBACKEND": "Agg"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root, env=env)
