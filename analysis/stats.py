@@ -523,13 +523,14 @@ def mixed_learning_rate_warning(ds: xr.Dataset, files, *, seed_dim: str = "seed"
     lr = ds["lr"] if seed_dim in ds["lr"].dims else ds["lr"].expand_dims({seed_dim: 1})
     if len(set(np.unique(lr.values[np.isfinite(lr.values)]))) <= 1:
         return None
+    snapshots = [str(name) for name in ds["snapshot"].values]
     described = []
     for position, file in enumerate(files):
         rates = lr.isel({seed_dim: position}).values
-        snapshots = ds["snapshot"].values
-        by_rate = {rate: [str(s) for s, r in zip(snapshots, rates) if r == rate] for rate in dict.fromkeys(rates)}
+        by_rate = {rate: [name for name, r in zip(snapshots, rates) if r == rate] for rate in dict.fromkeys(rates)}
         if len(by_rate) == 1:
             described.append(f"{file}: lr {rates[0]:g}")
         else:
-            described.append(f"{file}: " + ", ".join(f"lr {rate:g} ({' '.join(names)})" for rate, names in by_rate.items()))
+            parts = (f"lr {rate:g} ({' '.join(names)})" for rate, names in by_rate.items())
+            described.append(f"{file}: " + ", ".join(parts))
     return "snapshots were diagnosed at different learning rates: " + "; ".join(described)

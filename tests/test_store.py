@@ -201,7 +201,8 @@ def test_different_batch_counts_are_refused(tmp_path):
     first, second = tmp_path / "a.h5", tmp_path / "b.h5"
     write_dataset(synthetic_results(seed=0, n_batches=3), first)
     write_dataset(synthetic_results(seed=1, n_batches=2), second)
-    with pytest.raises(InputError, match=r"b.h5: batches per snapshot \[2, 2, 2, 2\] differ from .*a.h5's \[3, 3, 3, 3\]"):
+    expected = r"b.h5: batches per snapshot \[2, 2, 2, 2\] differ from .*a.h5's \[3, 3, 3, 3\]"
+    with pytest.raises(InputError, match=expected):
         open_results([first, second])
 
 
