@@ -1,8 +1,10 @@
 """Results files, statistics and figures for the update diagnostic; never imports torch.
 
-`analysis.store` reads and writes results files, `analysis.stats` computes the
-intervals of the paper's Figure 4, `analysis.figures` draws them (import it
-directly: it pulls in matplotlib).
+`analysis.store` reads and writes results files (combining seeds), `analysis.stats`
+computes the seed-level intervals of the paper's Figure 4 and the finishing-phase
+length, `analysis.sensitivity` tabulates the benefit over the diagnostic's
+ablation settings, `analysis.figures` draws them (import it directly: it pulls in
+matplotlib).
 """
 
 from analysis.store import open_results, validate_results, write_dataset

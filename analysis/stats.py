@@ -1,20 +1,23 @@
 """Confidence intervals for the update-diagnostic benefit (pure numpy/scipy/xarray).
 
-The unit of replication is the diagnostic batch: serving depths of one batch are
+The unit of replication is the training seed. Serving depths of one batch are
 evaluated on the same update and the same evaluation tokens, so they are strongly
-correlated and are averaged within the batch before any interval is formed.
-With several seeds (a `seed` dimension), each seed's batch mean is one unit and
-the interval is over seeds, since batches within a seed share the trained weights.
+correlated and are averaged within the batch first; batches within a seed share
+the trained weights, so they are averaged within the seed; the headline interval
+is a Student-t interval over the per-seed means (n = seeds). The within-seed
+interval over batches is secondary: it measures batch noise only, and a rerun of
+the same seed elsewhere can fall outside it. With one file (no `seed` dimension)
+the only interval available is the batch one, and it is labelled as such.
 
-Incomplete units (NaN, e.g. batches an interrupted run never reached, or padding
-from combining seeds with different batch counts) are left out and do not count in n.
+Incomplete units (NaN, e.g. the padding where snapshots of one file have different
+batch counts) are left out and do not count in n.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
-from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -42,7 +45,7 @@ def t_interval(values: np.ndarray, level: float = 0.95) -> tuple[float, float, f
     if n < 2:
         return mean, math.nan, math.nan, n
     half_width = scipy.stats.t.ppf(0.5 + level / 2, df=n - 1) * values.std(ddof=1) / math.sqrt(n)
-    return mean, mean - half_width, mean + half_width, n
+    return mean, float(mean - half_width), float(mean + half_width), n
 
 
 def bca_interval(
@@ -73,7 +76,7 @@ def bca_interval(
     return mean, float(result.confidence_interval.low), float(result.confidence_interval.high), n
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class IntervalOptions:
     """How intervals are computed; the `options` of the functions below."""
 
@@ -178,19 +181,79 @@ def benefit_by_depth(
     return _describe(intervals, ds, unit_dim, options)
 
 
+def _depth_averaged_per_batch(ds: xr.Dataset) -> xr.DataArray:
+    """Each batch's benefit averaged over serving depths (NaN when any depth is missing)."""
+    return ds["benefit"].mean("serving_depth", skipna=False)
+
+
+def batch_noise(
+    ds: xr.Dataset,
+    *,
+    options: IntervalOptions = IntervalOptions(),
+    seed_dim: str = "seed",
+) -> xr.Dataset:
+    """The secondary, within-seed view of the depth-averaged benefit, per snapshot.
+
+    For each seed, the interval over its batches (batch noise only), summarised as
+    `batch_half_width` (mean over seeds of that interval's half-width) and
+    `batches_per_seed` (the fewest batches any seed has). Also the two variance
+    components a reader needs to judge whether enough batches were diagnosed:
+    `between_seed_variance`, the sample variance of the per-seed means (NaN without
+    two seeds), and `within_seed_variance`, the mean over seeds of s^2_batch / n_batch,
+    the part of a seed mean's variance that batch noise contributes. The former
+    contains the latter, so batch noise is negligible when the latter is a small
+    fraction of the former.
+    """
+    per_batch = _depth_averaged_per_batch(ds)
+    seeded = seed_dim in per_batch.dims
+    if not seeded:
+        per_batch = per_batch.expand_dims({seed_dim: [0]})
+    per_seed = interval_over(per_batch, "batch", options=options)
+    counts = per_batch.count("batch")
+    within = (per_batch.var("batch", ddof=1) / counts).where(counts >= 2)
+    seed_means = per_seed["mean"]
+    between = (
+        seed_means.var(seed_dim, ddof=1).where(seed_means.count(seed_dim) >= 2)
+        if seeded
+        else xr.full_like(seed_means.isel({seed_dim: 0}, drop=True), np.nan)
+    )
+    result = xr.Dataset(
+        {
+            "batch_half_width": ((per_seed["upper"] - per_seed["lower"]) / 2).mean(seed_dim),
+            "batches_per_seed": per_seed["n"].min(seed_dim),
+            "between_seed_variance": between,
+            "within_seed_variance": within.mean(seed_dim),
+        }
+    )
+    result.attrs = {"level": options.level, "method": options.method, "seeded": int(seeded)}
+    return result
+
+
+def interval_coverage(unit: str) -> str:
+    """What an interval over `unit`s covers, in words, for every place it is shown."""
+    if unit == "batch":
+        return "over batches of one seed: batch noise only, not seed-to-seed variation"
+    return "over training seeds (per-seed means of batch means)"
+
+
 def summary_table(
     ds: xr.Dataset,
     *,
     options: IntervalOptions = IntervalOptions(),
     seed_dim: str = "seed",
 ) -> list[dict]:
-    """One row per snapshot, ordered by uniform updates: the depth-averaged benefit and its interval.
+    """One row per snapshot, ordered by uniform updates: the depth-averaged benefit and its intervals.
 
-    Keys: snapshot, uniform_updates, step, mean, lower, upper, n, unit ("batch" or
-    the seed dimension), excludes_zero (the interval lies entirely above or below 0).
+    Headline keys: snapshot, uniform_updates, step, mean, lower, upper, n, unit
+    ("seed", or "batch" for a single file), excludes_zero (the interval lies
+    entirely above or below 0). Secondary keys (see `batch_noise`):
+    batch_half_width, batches_per_seed, between_seed_variance (None for a single
+    file, where it does not exist), within_seed_variance.
     """
     intervals = depth_averaged_benefit(ds, options=options, seed_dim=seed_dim)
-    intervals = intervals.sortby("uniform_updates")
+    noise = batch_noise(ds, options=options, seed_dim=seed_dim)
+    intervals = xr.merge([intervals, noise], combine_attrs="override").sortby("uniform_updates")
+    seeded = seed_dim in ds.dims
     rows = []
     for index in range(intervals.sizes["snapshot"]):
         row = intervals.isel(snapshot=index)
@@ -207,26 +270,267 @@ def summary_table(
                 "unit": intervals.attrs["unit"],
                 # NaN bounds compare False both ways: an interval that could not be formed excludes nothing.
                 "excludes_zero": bool(lower > 0 or upper < 0),
+                "batch_half_width": float(row["batch_half_width"]),
+                "batches_per_seed": int(row["batches_per_seed"]),
+                "between_seed_variance": float(row["between_seed_variance"]) if seeded else None,
+                "within_seed_variance": float(row["within_seed_variance"]),
             }
         )
     return rows
 
 
+def _plural(unit: str, n: int | None = None) -> str:
+    if n == 1:
+        return unit
+    return f"{unit}{'es' if unit == 'batch' else 's'}"
+
+
+def _bounds(lower: float, upper: float) -> str:
+    return f"[{lower:+.4f}, {upper:+.4f}]" if math.isfinite(lower) else "n/a (too few units)"
+
+
+def describe_intervals(rows: list[dict], *, level: float = 0.95, method: Method = "t") -> str:
+    """The lines that say which interval the summary's headline is and what it covers."""
+    unit = rows[0]["unit"] if rows else "batch"
+    counts = sorted({row["n"] for row in rows})
+    n = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    name = "BCa bootstrap" if method == "bca" else "Student-t"
+    headline = f"headline: {level:.0%} {name} CI {interval_coverage(unit)}, n = {n} {_plural(unit)}"
+    if unit == "batch":
+        return headline + "; diagnose several seeds for the interval a replication would fall in"
+    return (
+        headline
+        + f"\nsecondary: within-seed {level:.0%} CI over batches (batch noise only), "
+        "shown as its mean half-width over seeds; var(seeds) = variance of the seed means, "
+        "var(batches) = mean s^2_batch / n_batch (batch noise in one seed mean)"
+    )
+
+
 def format_summary_table(rows: list[dict], *, level: float = 0.95) -> str:
-    """The summary rows as an aligned plain-text table."""
+    """The summary rows as an aligned plain-text table (headline interval, then batch noise)."""
     percent = f"{level * 100:g}%"
+    seeded = bool(rows) and rows[0]["unit"] != "batch"
     header = ("snapshot", "uniform updates", "step", "mean benefit", f"{percent} CI", "n", "CI excludes 0")
-    lines = [
-        (
+    if seeded:
+        header += ("batch CI ±", "batches/seed", "var(seeds)", "var(batches)")
+    lines = []
+    for row in rows:
+        cells = (
             row["snapshot"],
             str(row["uniform_updates"]),
             str(row["step"]),
             f"{row['mean']:+.4f}",
-            f"[{row['lower']:+.4f}, {row['upper']:+.4f}]" if math.isfinite(row["lower"]) else "n/a (too few units)",
-            f"{row['n']} {row['unit']}{'es' if row['unit'] == 'batch' else 's'}",
+            _bounds(row["lower"], row["upper"]),
+            f"{row['n']} {_plural(row['unit'], row['n'])}",
             "yes" if row["excludes_zero"] else "no",
         )
-        for row in rows
-    ]
+        if seeded:
+            cells += (
+                f"{row['batch_half_width']:.4f}",
+                str(row["batches_per_seed"]),
+                f"{row['between_seed_variance']:.2e}",
+                f"{row['within_seed_variance']:.2e}",
+            )
+        lines.append(cells)
     widths = [max(len(cells[i]) for cells in [header, *lines]) for i in range(len(header))]
     return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(cells, widths)) for cells in [header, *lines])
+
+
+# --- the finishing phase ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Interval:
+    """A mean with its confidence interval over `n` units of kind `unit` ("seed" or "batch")."""
+
+    mean: float
+    lower: float
+    upper: float
+    n: int
+    unit: str
+
+    def contains_zero(self) -> bool:
+        """True when the interval includes 0; an interval that could not be formed (NaN) contains nothing."""
+        return bool(self.lower <= 0 <= self.upper)
+
+    def describe(self) -> str:
+        return f"{self.mean:+.4f} {_bounds(self.lower, self.upper)} over {self.n} {_plural(self.unit, self.n)}"
+
+
+def decay_point(uniform_updates, values, *, fraction: float = 0.05) -> int | None:
+    """The first uniform-update count from which `values` stay below `fraction` x their switch value.
+
+    `values` run along `uniform_updates`, which must contain 0 (the switch). "Stays"
+    means every later snapshot is below too, so a dip followed by a rebound does not
+    count. None when the switch value is not positive (there is no benefit to decay)
+    or the values never settle below within the grid. A missing (NaN) value counts
+    as not below: the claim must rest on measured snapshots.
+    """
+    order = np.argsort(np.asarray(uniform_updates))
+    counts = np.asarray(uniform_updates)[order]
+    values = np.asarray(values, dtype=np.float64)[order]
+    if counts.size == 0 or counts[0] != 0:
+        raise ValueError("no snapshot at the switch (0 uniform updates) to measure the decay from")
+    switch = values[0]
+    if not switch > 0:
+        return None
+    below = values < fraction * switch
+    for index in range(1, counts.size):
+        if below[index:].all():
+            return int(counts[index])
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class SeedDecay:
+    """One seed's decay point (None: not within the grid, or no positive switch benefit)."""
+
+    seed: int
+    switch_value: float
+    uniform_updates: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishingPhase:
+    """How long the finishing phase needs to be, read off a grid of snapshots after the switch.
+
+    `decay_updates` is where the seed-mean depth-averaged benefit falls below
+    `fraction` of its switch value for good (the true crossing lies after
+    `decay_after`, the previous grid count); `per_seed` repeats that per seed, with
+    `per_seed_interval` over the seeds' crossings when every seed crosses within
+    the grid (a seed that does not cross would bias any interval low). The headline
+    interval of `first_zero_overlap` is the first that contains zero.
+    """
+
+    fraction: float
+    max_uniform_updates: int
+    switch: Interval
+    decay_updates: int | None
+    decay_after: int | None
+    per_seed: tuple[SeedDecay, ...]
+    per_seed_interval: Interval | None
+    first_zero_overlap: int | None
+    zero_overlap: Interval | None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _interval_at(intervals: xr.Dataset, index: int) -> Interval:
+    row = intervals.isel(snapshot=index)
+    return Interval(
+        mean=float(row["mean"]),
+        lower=float(row["lower"]),
+        upper=float(row["upper"]),
+        n=int(row["n"]),
+        unit=intervals.attrs["unit"],
+    )
+
+
+def finishing_phase(
+    ds: xr.Dataset,
+    *,
+    fraction: float = 0.05,
+    options: IntervalOptions = IntervalOptions(),
+    seed_dim: str = "seed",
+) -> FinishingPhase:
+    """The finishing-phase length from `ds`'s grid of snapshots (see `FinishingPhase`).
+
+    Raises ValueError when the grid has no snapshot at the switch.
+    """
+    intervals = depth_averaged_benefit(ds, options=options, seed_dim=seed_dim).sortby("uniform_updates")
+    counts = [int(u) for u in intervals["uniform_updates"].values]
+    decay = decay_point(counts, intervals["mean"].values, fraction=fraction)
+    per_seed: tuple[SeedDecay, ...] = ()
+    per_seed_interval = None
+    if seed_dim in ds.dims:
+        seed_means = _depth_averaged_per_batch(ds).mean("batch", skipna=True).sortby("uniform_updates")
+        per_seed = tuple(
+            SeedDecay(
+                seed=int(seed),
+                switch_value=float(seed_means.sel({seed_dim: seed}).values[0]),
+                uniform_updates=decay_point(counts, seed_means.sel({seed_dim: seed}).values, fraction=fraction),
+            )
+            for seed in seed_means[seed_dim].values
+        )
+        crossings = [decay.uniform_updates for decay in per_seed]
+        if all(crossing is not None for crossing in crossings):
+            per_seed_interval = Interval(*t_interval(np.array(crossings, dtype=np.float64), options.level), "seed")
+    zero_index = next(
+        (index for index in range(len(counts)) if _interval_at(intervals, index).contains_zero()), None
+    )
+    return FinishingPhase(
+        fraction=fraction,
+        max_uniform_updates=counts[-1],
+        switch=_interval_at(intervals, 0),
+        decay_updates=decay,
+        decay_after=counts[counts.index(decay) - 1] if decay is not None else None,
+        per_seed=per_seed,
+        per_seed_interval=per_seed_interval,
+        first_zero_overlap=counts[zero_index] if zero_index is not None else None,
+        zero_overlap=_interval_at(intervals, zero_index) if zero_index is not None else None,
+    )
+
+
+def format_finishing_phase(phase: FinishingPhase, *, level: float = 0.95) -> str:
+    """The finishing-phase lines of `summarize`."""
+    percent = f"{phase.fraction:.0%}"
+    within = f"none within {phase.max_uniform_updates}"
+    if phase.decay_updates is None:
+        reason = "" if phase.switch.mean > 0 else " (the switch benefit is not positive)"
+        decay = f"{within}{reason}"
+    else:
+        decay = f"{phase.decay_updates} uniform updates (after {phase.decay_after}; the grid brackets the crossing)"
+    lines = [
+        f"finishing phase: switch benefit {phase.switch.describe()}; "
+        f"mean benefit below {percent} of it for good from: {decay}"
+    ]
+    if phase.per_seed:
+        crossings = ", ".join(
+            f"seed {decay.seed}: {decay.uniform_updates if decay.uniform_updates is not None else within}"
+            for decay in phase.per_seed
+        )
+        found = [decay.uniform_updates for decay in phase.per_seed if decay.uniform_updates is not None]
+        spread = f"; range {min(found)}-{max(found)}" if found else ""
+        if phase.per_seed_interval is not None:
+            interval = phase.per_seed_interval
+            spread += (
+                f"; mean {interval.mean:.1f}, {level:.0%} CI over {interval.n} seeds "
+                f"[{interval.lower:.1f}, {interval.upper:.1f}]"
+            )
+        lines.append(f"  per seed: {crossings}{spread}")
+    zero = (
+        f"{phase.first_zero_overlap} uniform updates, benefit {phase.zero_overlap.describe()}"
+        if phase.zero_overlap is not None
+        else within
+    )
+    lines.append(f"finishing phase: first snapshot whose {level:.0%} CI contains zero: {zero}")
+    return "\n".join(lines)
+
+
+# --- learning rates -----------------------------------------------------------------------
+
+
+def mixed_learning_rate_warning(ds: xr.Dataset, files, *, seed_dim: str = "seed") -> str | None:
+    """One line naming the files and their learning rates when snapshots were diagnosed at
+    different LRs (within a file or across seeds); None when they agree or are unknown.
+
+    The update's size scales with the LR, so benefits measured at different LRs are
+    not comparable as one curve. `files` are the results files in seed order.
+    """
+    if "lr" not in ds.coords:
+        return None
+    lr = ds["lr"] if seed_dim in ds["lr"].dims else ds["lr"].expand_dims({seed_dim: 1})
+    if len(set(np.unique(lr.values[np.isfinite(lr.values)]))) <= 1:
+        return None
+    snapshots = [str(name) for name in ds["snapshot"].values]
+    described = []
+    for position, file in enumerate(files):
+        rates = lr.isel({seed_dim: position}).values
+        by_rate = {rate: [name for name, r in zip(snapshots, rates) if r == rate] for rate in dict.fromkeys(rates)}
+        if len(by_rate) == 1:
+            described.append(f"{file}: lr {rates[0]:g}")
+        else:
+            parts = (f"lr {rate:g} ({' '.join(names)})" for rate, names in by_rate.items())
+            described.append(f"{file}: " + ", ".join(parts))
+    return "snapshots were diagnosed at different learning rates: " + "; ".join(described)

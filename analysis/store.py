@@ -187,29 +187,87 @@ def _seed_of(ds: xr.Dataset):
     return None
 
 
-def _check_same_layout(first: xr.Dataset, first_path: Path, other: xr.Dataset, other_path: Path, seed_dim: str) -> None:
-    """Files combined as seeds must describe the same experiment: same depths and snapshots."""
-    for coord in ("update_depth", "serving_depth", "uniform_updates"):
+# Diagnostic settings that change what a results file measures, stored as file attributes.
+DIAGNOSTIC_SETTINGS = ("isolate", "rms_match", "lr_override")
+LAYOUT_COORDS = ("update_depth", "serving_depth", "uniform_updates")
+
+
+def _first_difference(first, other, path: str = "") -> tuple[str, object, object] | None:
+    """(dotted key, first's value, other's value) of the first place two JSON values differ, or None."""
+    if isinstance(first, dict) and isinstance(other, dict):
+        for key in sorted(set(first) | set(other)):
+            where = f"{path}.{key}" if path else str(key)
+            if key not in first or key not in other:
+                return where, first.get(key, "(absent)"), other.get(key, "(absent)")
+            found = _first_difference(first[key], other[key], where)
+            if found is not None:
+                return found
+        return None
+    return None if first == other else (path, first, other)
+
+
+def _config_without_seed(ds: xr.Dataset):
+    """The run config as a dict with train.seed removed (the one key seeds may differ in), or None."""
+    text = ds.attrs.get("config")
+    if not isinstance(text, str):
+        return None
+    try:
+        config = json.loads(text)
+    except ValueError:
+        return text
+    if isinstance(config, dict) and isinstance(config.get("train"), dict):
+        config = {**config, "train": {k: v for k, v in config["train"].items() if k != "seed"}}
+    return config
+
+
+def batches_per_snapshot(ds: xr.Dataset) -> list[int]:
+    """How many batches of each snapshot hold a benefit (NaN padding and unfinished batches do not count)."""
+    finished = ds["benefit"].notnull().any("serving_depth")
+    return [int(count) for count in finished.sum("batch").values]
+
+
+def _check_same_experiment(first: xr.Dataset, first_path, other: xr.Dataset, other_path, seed_dim: str) -> None:
+    """Files combined as seeds must differ in the seed only, so that the spread over them is seed noise.
+
+    Compared: depths and the uniform-update grid, batches per snapshot, the diagnostic
+    settings (isolate, rms_match, LR override) and the run config without train.seed.
+    Provenance (creation time, versions, snapshot hashes) may differ.
+    """
+    if seed_dim in other.dims:
+        raise _fail(other_path, "already combines several seeds; pass the per-seed files instead")
+    refuse = "; only the seed may differ between files combined as seeds"
+    for coord in LAYOUT_COORDS:
         if not np.array_equal(first[coord].values, other[coord].values):
             raise _fail(
                 other_path,
                 f"coordinate {coord!r} {other[coord].values.tolist()} differs from "
-                f"{first_path}'s {first[coord].values.tolist()}; cannot combine as seeds",
+                f"{first_path}'s {first[coord].values.tolist()}{refuse}",
             )
-    if seed_dim in other.dims:
-        raise _fail(other_path, "already combines several seeds; pass the per-seed files instead")
+    if batches_per_snapshot(first) != batches_per_snapshot(other):
+        raise _fail(
+            other_path,
+            f"batches per snapshot {batches_per_snapshot(other)} differ from "
+            f"{first_path}'s {batches_per_snapshot(first)}{refuse}",
+        )
+    for key in DIAGNOSTIC_SETTINGS:
+        if first.attrs.get(key) != other.attrs.get(key):
+            raise _fail(
+                other_path,
+                f"{key} {other.attrs.get(key, '(absent)')!r} differs from "
+                f"{first_path}'s {first.attrs.get(key, '(absent)')!r}{refuse}",
+            )
+    difference = _first_difference(_config_without_seed(first), _config_without_seed(other))
+    if difference is not None:
+        key, first_value, other_value = difference
+        what = f"run config key {key}" if key else "run config"
+        raise _fail(other_path, f"{what} {other_value!r} differs from {first_path}'s {first_value!r}{refuse}")
 
 
 def open_results(paths, *, seed_dim: str = "seed") -> xr.Dataset:
     """Open one results file, or combine several (one per seed) along `seed_dim`.
 
-    One file is returned as stored (loaded into memory, file closed). Several files
-    must share update depths, serving depths and uniform-update counts; snapshots are
-    matched by position and labelled as in the first file, batches are aligned by
-    index (a file with fewer batches is NaN-padded, which the statistics skip).
-    The `seed_dim` coordinate is each file's seed (attribute `seed`, else the run
-    config's train.seed) when every file has one, else 0..n-1. Attributes shared by
-    all files are kept; the rest are dropped.
+    One file is returned as stored (loaded into memory, file closed); several are
+    combined by `combine_seeds`, in the order given.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -219,18 +277,32 @@ def open_results(paths, *, seed_dim: str = "seed") -> xr.Dataset:
     datasets = [_open_one(path, seed_dim) for path in paths]
     if len(datasets) == 1:
         return datasets[0]
+    return combine_seeds(datasets, paths, seed_dim=seed_dim)
 
-    first, first_path = datasets[0], paths[0]
-    for ds, path in zip(datasets[1:], paths[1:]):
-        _check_same_layout(first, first_path, ds, path, seed_dim)
+
+def combine_seeds(datasets, sources, *, seed_dim: str = "seed") -> xr.Dataset:
+    """Combine results Datasets of one experiment, one per training seed, along `seed_dim`.
+
+    The files must differ in nothing but the seed (see `_check_same_experiment`);
+    otherwise InputError names the file (from `sources`) and the first difference.
+    Snapshots are matched by uniform-update count and labelled as in the first
+    file. The `seed_dim` coordinate is each file's seed (attribute `seed`, else the
+    run config's train.seed) when every file has one, else 0..n-1. The `lr`
+    coordinate, when present, becomes (seed, snapshot): seeds may have been
+    diagnosed at different learning rates, which the summary warns about.
+    Attributes shared by all files are kept; the rest are dropped.
+    """
+    first, first_path = datasets[0], sources[0]
     if seed_dim in first.dims:
         raise _fail(first_path, "already combines several seeds; pass the per-seed files instead")
+    for ds, path in zip(datasets[1:], sources[1:]):
+        _check_same_experiment(first, first_path, ds, path, seed_dim)
 
     seeds = [_seed_of(ds) for ds in datasets]
     if any(seed is None for seed in seeds):
         seeds = list(range(len(datasets)))
-    seen: dict[int, Path] = {}
-    for seed, path in zip(seeds, paths):
+    seen: dict[int, object] = {}
+    for seed, path in zip(seeds, sources):
         if seed in seen:
             raise _fail(path, f"has the same seed ({seed}) as {seen[seed]}; the same run twice is not two seeds")
         seen[seed] = path
@@ -241,12 +313,13 @@ def open_results(paths, *, seed_dim: str = "seed") -> xr.Dataset:
         ds.assign_coords(snapshot=first["snapshot"].values, step=("snapshot", first["step"].values))
         for ds in datasets
     ]
+    per_seed_coords = [name for name in ("lr",) if all(name in ds.coords for ds in relabelled)]
     combined = xr.concat(
-        relabelled,
+        [ds.reset_coords(per_seed_coords) for ds in relabelled],
         dim=xr.DataArray(seeds, dims=seed_dim, name=seed_dim),
         join="outer",
         combine_attrs="drop_conflicts",
         coords="minimal",
         compat="override",
     )
-    return _canonical(combined, seed_dim)
+    return _canonical(combined.set_coords(per_seed_coords), seed_dim)

@@ -238,32 +238,79 @@ def _interval_options(function):
     return click.option("--level", type=float, default=0.95, show_default=True, help="Confidence level.")(function)
 
 
-def _json_number(value):
-    return None if isinstance(value, float) and not math.isfinite(value) else value
+def _json_ready(value):
+    """`value` with every non-finite float as None (JSON has no NaN: an interval that could not be formed is null)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _json_ready(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_ready(item) for item in value]
+    return value
+
+
+def _warn_on_mixed_learning_rates(ds, results: tuple[Path, ...]) -> str | None:
+    from analysis.stats import mixed_learning_rate_warning
+
+    warning = mixed_learning_rate_warning(ds, [str(path) for path in results])
+    if warning is not None:
+        click.echo(f"depthdiag: warning: {warning}", err=True)
+    return warning
 
 
 @main.command()
 @click.argument("results", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option("--json", "as_json", is_flag=True, help="Print the table as JSON (NaN as null).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (NaN as null).")
 @_interval_options
 @reports_input_errors
 def summarize(results: tuple[Path, ...], as_json: bool, level: float, method: str, n_resamples: int) -> None:
-    """Per snapshot: depth-averaged benefit with its confidence interval.
+    """Per snapshot: depth-averaged benefit with its confidence intervals, and how long
+    the finishing phase needs to be.
 
-    Several RESULTS files are several seeds: the interval is then over per-seed means.
+    Several RESULTS files are several training seeds of one experiment: the headline
+    interval is then over per-seed means (n = seeds), and the within-seed interval over
+    batches is shown as batch noise only. One file gives the batch interval alone.
     """
-    from analysis.stats import IntervalOptions, format_summary_table, summary_table
+    from analysis.stats import (
+        IntervalOptions,
+        describe_intervals,
+        finishing_phase,
+        format_finishing_phase,
+        format_summary_table,
+        interval_coverage,
+        summary_table,
+    )
     from analysis.store import open_results
 
     options = IntervalOptions(level=level, method=method, n_resamples=n_resamples)
-    rows = summary_table(open_results(results), options=options)
+    ds = open_results(results)
+    warning = _warn_on_mixed_learning_rates(ds, results)
+    rows = summary_table(ds, options=options)
+    has_switch = 0 in ds["uniform_updates"].values
+    phase = finishing_phase(ds, options=options) if has_switch else None
     if as_json:
-        # JSON has no NaN: an interval that could not be formed (too few units) is null.
-        rows = [{key: _json_number(value) for key, value in row.items()} for row in rows]
-        document = {"results": [str(path) for path in results], **dataclasses.asdict(options), "rows": rows}
-        click.echo(json.dumps(document, indent=2))
+        unit = rows[0]["unit"]
+        document = {
+            "results": [str(path) for path in results],
+            **dataclasses.asdict(options),
+            "headline": {"unit": unit, "covers": interval_coverage(unit)},
+            "secondary": {
+                "unit": "batch",
+                "covers": interval_coverage("batch"),
+                "keys": ["batch_half_width", "batches_per_seed", "between_seed_variance", "within_seed_variance"],
+            },
+            "rows": rows,
+            "finishing_phase": phase.to_dict() if phase is not None else None,
+            "warnings": [warning] if warning else [],
+        }
+        click.echo(json.dumps(_json_ready(document), indent=2))
+        return
+    click.echo(describe_intervals(rows, level=level, method=method))
+    click.echo(format_summary_table(rows, level=level))
+    if phase is not None:
+        click.echo(format_finishing_phase(phase, level=level))
     else:
-        click.echo(format_summary_table(rows, level=level))
+        click.echo("finishing phase: n/a (no snapshot at the switch, 0 uniform updates)")
 
 
 @main.command()
@@ -285,13 +332,15 @@ def summarize(results: tuple[Path, ...], as_json: bool, level: float, method: st
 @_interval_options
 @reports_input_errors
 def plot(results: tuple[Path, ...], figure_number: str, out: Path, level: float, method: str, n_resamples: int) -> None:
-    """Draw a figure from RESULTS files (several files are several seeds)."""
+    """Draw a figure from RESULTS files (several files are several seeds: the error bars and
+    bands are then intervals over seeds; with one file they cover batch noise only)."""
     from analysis.figures import figure4, save_figure
     from analysis.stats import IntervalOptions
     from analysis.store import open_results
 
     options = IntervalOptions(level=level, method=method, n_resamples=n_resamples)
     ds = open_results(results)
+    _warn_on_mixed_learning_rates(ds, results)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fig = figure4(ds, options=options)
@@ -299,6 +348,32 @@ def plot(results: tuple[Path, ...], figure_number: str, out: Path, level: float,
         click.echo(f"depthdiag: warning: {warning.message}", err=True)
     for path in save_figure(fig, out):
         click.echo(f"wrote {path}")
+
+
+@main.command()
+@click.argument("results", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--after", "after_updates", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Compare the switch with the snapshot after this many uniform updates.")
+@click.option("--json", "as_json", is_flag=True, help="Print the table as JSON (NaN as null).")
+@_interval_options
+@reports_input_errors
+def sensitivity(results: tuple[Path, ...], after_updates: int, as_json: bool, level: float, method: str,
+                n_resamples: int) -> None:
+    """Depth-averaged benefit at the switch and after --after uniform updates, for every
+    (isolate, rms_match) combination among RESULTS, as a Markdown table.
+
+    RESULTS may mix settings and seeds: files are grouped by their isolate and rms_match
+    attributes and each group is combined along seeds (its files must differ in the seed only).
+    """
+    from analysis.sensitivity import format_sensitivity_markdown, sensitivity_table
+    from analysis.stats import IntervalOptions
+
+    options = IntervalOptions(level=level, method=method, n_resamples=n_resamples)
+    table = sensitivity_table(results, after_updates=after_updates, options=options)
+    if as_json:
+        click.echo(json.dumps(_json_ready(table.to_dict()), indent=2))
+    else:
+        click.echo(format_sensitivity_markdown(table))
 
 
 if __name__ == "__main__":

@@ -15,18 +15,25 @@ from matplotlib.container import ErrorbarContainer  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from analysis.figures import figure4, plot_benefit_by_depth, plot_depth_averaged_benefit, save_figure  # noqa: E402
-from analysis.stats import benefit_by_depth, depth_averaged_benefit, summary_table  # noqa: E402
+from analysis.stats import batch_noise, benefit_by_depth, depth_averaged_benefit, summary_table  # noqa: E402
 from analysis.store import open_results, write_dataset  # noqa: E402
 from diag.cli import main  # noqa: E402
 
 UNIFORM_UPDATES = (0, 16, 64, 256)
 
 
-def results(seed: int = 0, n_batches: int = 4, n_depths: int = 6) -> xr.Dataset:
-    """A schema-complete results Dataset whose benefit grows with serving depth at the switch."""
+DENSE_GRID = (0, 4, 8, 16, 32, 64, 128, 256)
+
+
+def results(
+    seed: int = 0, n_batches: int = 4, n_depths: int = 6, uniform_updates=UNIFORM_UPDATES, lr=None
+) -> xr.Dataset:
+    """A schema-complete results Dataset whose benefit grows with serving depth at the switch
+    and halves every 8 uniform updates."""
     rng = np.random.default_rng(seed)
-    shape = (len(UNIFORM_UPDATES), n_batches, n_depths)
-    trend = np.linspace(-0.1, 0.4, n_depths) * np.array([1.0, 0.2, 0.1, 0.0])[:, None, None]
+    shape = (len(uniform_updates), n_batches, n_depths)
+    decay = 0.5 ** (np.array(uniform_updates) / 8)
+    trend = np.linspace(-0.1, 0.4, n_depths) * decay[:, None, None]
     benefit = trend + rng.normal(0.0, 0.05, shape)
     nll_deep = rng.normal(3.0, 0.1, shape)
     nll = np.stack([nll_deep + benefit, nll_deep], axis=2)
@@ -41,9 +48,10 @@ def results(seed: int = 0, n_batches: int = 4, n_depths: int = 6) -> xr.Dataset:
             "update_cosine": (("snapshot", "batch"), np.full(shape[:2], 0.8)),
         },
         coords={
-            "snapshot": [f"uniform-{u}" for u in UNIFORM_UPDATES],
-            "uniform_updates": ("snapshot", list(UNIFORM_UPDATES)),
-            "step": ("snapshot", [1200 + u for u in UNIFORM_UPDATES]),
+            "snapshot": [f"uniform-{u}" for u in uniform_updates],
+            "uniform_updates": ("snapshot", list(uniform_updates)),
+            "step": ("snapshot", [1200 + u for u in uniform_updates]),
+            "lr": ("snapshot", np.full(len(uniform_updates), 1e-3) if lr is None else np.asarray(lr)),
             "batch": np.arange(n_batches),
             "update_depth": [4, 16],
             "serving_depth": np.arange(1, n_depths + 1),
@@ -139,14 +147,90 @@ def test_summarize_command(tmp_path):
     write_dataset(results(), path)
     runner = CliRunner()
 
+    # Behaviour change: the table now comes with what its interval covers and the finishing phase.
     table = runner.invoke(main, ["summarize", str(path)])
     assert table.exit_code == 0, table.output
-    assert len(table.stdout.splitlines()) == 1 + len(UNIFORM_UPDATES)
+    lines = table.stdout.splitlines()
+    assert lines[0].startswith("headline:") and "batch noise only" in lines[0]
     assert all(f"uniform-{u}" in table.stdout for u in UNIFORM_UPDATES)
+    assert sum(line.startswith("finishing phase:") for line in lines) == 2
+    assert table.stderr == ""
 
     as_json = runner.invoke(main, ["summarize", str(path), "--json"])
     assert as_json.exit_code == 0, as_json.output
-    assert json.loads(as_json.stdout)["rows"] == summary_table(open_results(path))
+    document = json.loads(as_json.stdout)
+    assert document["rows"] == summary_table(open_results(path))
+    assert document["headline"]["unit"] == "batch" and "batch noise only" in document["headline"]["covers"]
+    assert document["finishing_phase"]["per_seed"] == [] and document["warnings"] == []
+
+
+def write_seeds(tmp_path, seeds=(0, 1, 2), **kwargs):
+    paths = [tmp_path / f"seed{seed}.h5" for seed in seeds]
+    for seed, path in zip(seeds, paths):
+        write_dataset(results(seed=seed, **kwargs), path)
+    return paths
+
+
+def test_summarize_seeds_reports_both_intervals_and_the_finishing_phase(tmp_path):
+    paths = write_seeds(tmp_path, uniform_updates=DENSE_GRID)
+    runner = CliRunner()
+    text = runner.invoke(main, ["summarize", *map(str, paths)])
+    assert text.exit_code == 0, text.output
+    assert "over training seeds" in text.stdout and "n = 3 seeds" in text.stdout
+    assert "batch noise only" in text.stdout and "var(seeds)" in text.stdout
+    assert "per seed: seed 0:" in text.stdout and "contains zero:" in text.stdout
+
+    document = json.loads(runner.invoke(main, ["summarize", *map(str, paths), "--json"]).stdout)
+    assert [row["uniform_updates"] for row in document["rows"]] == list(DENSE_GRID)
+    assert {row["unit"] for row in document["rows"]} == {"seed"} and {row["n"] for row in document["rows"]} == {3}
+    assert all(row["within_seed_variance"] >= 0 and row["between_seed_variance"] >= 0 for row in document["rows"])
+    phase = document["finishing_phase"]
+    assert [decay["seed"] for decay in phase["per_seed"]] == [0, 1, 2]
+    assert phase["max_uniform_updates"] == 256 and phase["switch"]["unit"] == "seed"
+
+
+def test_summarize_warns_on_mixed_learning_rates(tmp_path):
+    paths = write_seeds(tmp_path, seeds=(0, 1))
+    write_dataset(results(seed=1, lr=[1e-3, 1e-3, 1e-3, 5e-4]), paths[1])
+    result = CliRunner().invoke(main, ["summarize", *map(str, paths)])
+    assert result.exit_code == 0, result.output
+    (warning,) = result.stderr.splitlines()
+    assert warning.startswith("depthdiag: warning: snapshots were diagnosed at different learning rates")
+    assert f"{paths[0]}: lr 0.001;" in warning and f"{paths[1]}: lr 0.001 (uniform-0 uniform-16 uniform-64)" in warning
+    json_result = CliRunner().invoke(main, ["summarize", *map(str, paths), "--json"])
+    assert "different learning rates" in json.loads(json_result.stdout)["warnings"][0]
+
+
+def test_summarize_refuses_files_that_differ_in_more_than_the_seed(tmp_path):
+    paths = write_seeds(tmp_path, seeds=(0, 1))
+    other = results(seed=1)
+    other.attrs["isolate"] = "linear"
+    write_dataset(other, paths[1])
+    result = CliRunner().invoke(main, ["summarize", *map(str, paths)])
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [
+        f"depthdiag: error: {paths[1]}: isolate 'linear' differs from {paths[0]}'s '(absent)'; "
+        "only the seed may differ between files combined as seeds"
+    ]
+
+
+def test_figure4_dense_grid_says_which_interval(tmp_path):
+    ds = open_results(write_seeds(tmp_path, uniform_updates=DENSE_GRID))
+    left, right = figure4(ds).axes
+    assert [label.get_text() for label in right.get_xticklabels()] == [str(u) for u in DENSE_GRID]
+    assert "over 3 seeds" in left.get_title() and "over 3 seeds" in right.get_title()
+    headline, inner = [c for c in right.containers if isinstance(c, ErrorbarContainer)]
+    noise = batch_noise(ds)
+    segments = np.array(inner.lines[2][0].get_segments())
+    np.testing.assert_allclose(np.ptp(segments[:, :, 1], axis=1) / 2, noise["batch_half_width"].values)
+    legend = [text.get_text() for text in right.get_legend().get_texts()]
+    assert any(text.startswith("mean < 5% of switch") for text in legend)
+    assert any("CI containing 0" in text or "no CI contains 0" in text for text in legend)
+    assert "batch noise only (mean within-seed CI)" in legend
+
+    single_left, single_right = figure4(results(uniform_updates=DENSE_GRID)).axes
+    assert "batch noise of one seed only" in single_left.get_title()
+    assert "over 4 batches" in single_right.get_title()
 
 
 @pytest.mark.parametrize("name", ["figure4", "figure4.bogus"])

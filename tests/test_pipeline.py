@@ -42,7 +42,7 @@ snapshot_batches = 3
 def invoke(*args: str) -> str:
     result = CliRunner().invoke(main, list(args), catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    return result.output
+    return result.stdout  # stderr may carry warnings (e.g. snapshots at different LRs)
 
 
 def test_train_diagnose_summarize_plot(tmp_path):

@@ -9,10 +9,16 @@ import xarray as xr
 
 from analysis.stats import (
     IntervalOptions,
+    batch_noise,
     bca_interval,
     benefit_by_depth,
+    decay_point,
     depth_averaged_benefit,
+    describe_intervals,
+    finishing_phase,
+    format_finishing_phase,
     format_summary_table,
+    mixed_learning_rate_warning,
     summary_table,
     t_interval,
 )
@@ -187,3 +193,136 @@ def test_single_unit_gives_no_interval_and_excludes_nothing():
 def test_bad_options_are_refused(options):
     with pytest.raises(ValueError):
         depth_averaged_benefit(benefit_results(np.zeros((1, 3, 2))), options=IntervalOptions(**options))
+
+
+# --- seed-level headline, batch noise, finishing phase: hand computations -------------------
+
+T_975_DF1 = 12.706204736174707  # scipy.stats.t.ppf(0.975, 1)
+T_975_DF2 = 4.302652729749464  # scipy.stats.t.ppf(0.975, 2)
+
+
+def hand_seeds() -> xr.Dataset:
+    """3 seeds x 2 snapshots (0, 16 updates) x 2 batches x 2 serving depths, numbers chosen by hand.
+
+    At the switch the depth-averaged batch means are (2, 4), (1, 3), (3, 5): seed means
+    3, 2, 4. After 16 updates every seed's batch means are (+0.1, -0.1): seed means 0.
+    """
+    at_switch = [[[1.0, 3.0], [3.0, 5.0]], [[0.0, 2.0], [2.0, 4.0]], [[2.0, 4.0], [4.0, 6.0]]]
+    after = [[[0.0, 0.2], [-0.2, 0.0]]] * 3
+    benefit = np.stack([np.array(at_switch), np.array(after)], axis=1)  # [seed, snapshot, batch, depth]
+    return benefit_results(benefit, uniform_updates=[0, 16], seeded=True)
+
+
+def test_seed_level_interval_by_hand():
+    rows = summary_table(hand_seeds())
+    switch, after = rows
+    assert (switch["unit"], switch["n"], switch["batches_per_seed"]) == ("seed", 3, 2)
+    # Seed means 3, 2, 4: mean 3, sd 1, n 3.
+    half = T_975_DF2 * 1.0 / math.sqrt(3)
+    assert switch["mean"] == pytest.approx(3.0)
+    assert (switch["lower"], switch["upper"]) == pytest.approx((3.0 - half, 3.0 + half), rel=1e-12)
+    # Between seeds: var(3, 2, 4) = 1. Within: each seed's batch means differ by 2, s^2 = 2, / 2 batches = 1.
+    assert switch["between_seed_variance"] == pytest.approx(1.0)
+    assert switch["within_seed_variance"] == pytest.approx(1.0)
+    # Each seed's batch interval: t(0.975, 1) * sqrt(2) / sqrt(2).
+    assert switch["batch_half_width"] == pytest.approx(T_975_DF1)
+    assert after["mean"] == pytest.approx(0.0) and after["between_seed_variance"] == pytest.approx(0.0)
+    assert after["within_seed_variance"] == pytest.approx(0.01)
+    assert after["batch_half_width"] == pytest.approx(T_975_DF1 * 0.1)
+
+
+def test_batch_noise_of_one_file_has_no_seed_variance():
+    noise = batch_noise(hand_seeds().isel(seed=0, drop=True))
+    assert noise.attrs["seeded"] == 0
+    assert float(noise["within_seed_variance"].isel(snapshot=0)) == pytest.approx(1.0)
+    assert np.isnan(noise["between_seed_variance"]).all()
+    rows = summary_table(hand_seeds().isel(seed=0, drop=True))
+    assert rows[0]["unit"] == "batch" and rows[0]["n"] == 2 and rows[0]["between_seed_variance"] is None
+
+
+def test_headline_is_labelled_with_what_it_covers():
+    seeded = describe_intervals(summary_table(hand_seeds()))
+    assert "over training seeds" in seeded and "n = 3 seeds" in seeded and "batch noise only" in seeded
+    single = describe_intervals(summary_table(hand_seeds().isel(seed=0, drop=True)))
+    assert "batch noise only" in single and "n = 2 batches" in single
+    table = format_summary_table(summary_table(hand_seeds()))
+    assert "var(seeds)" in table and "1.00e+00" in table
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ([1.0, 0.5, 0.04, 0.03], 8),
+        ([1.0, 0.01, 0.5, 0.01], 16),  # a rebound: the first dip does not count
+        ([1.0, 0.01, np.nan, 0.01], 16),  # a missing snapshot is not evidence of a decay
+        ([1.0, 0.5, 0.2, 0.1], None),
+        ([-1.0, -2.0, -3.0, -4.0], None),  # no positive benefit to decay from
+    ],
+)
+def test_decay_point(values, expected):
+    assert decay_point([0, 4, 8, 16], values) == expected
+
+
+def test_decay_point_sorts_the_grid_and_needs_the_switch():
+    assert decay_point([16, 0, 8, 4], [0.03, 1.0, 0.04, 0.5]) == 8
+    assert decay_point([0, 4], [1.0, 0.2], fraction=0.25) == 4
+    with pytest.raises(ValueError, match="switch"):
+        decay_point([4, 8], [1.0, 0.0])
+
+
+def seed_curves(curves) -> xr.Dataset:
+    """Seeds whose depth-averaged benefit follows `curves` [seed][snapshot] exactly (no batch noise)."""
+    curves = np.asarray(curves, dtype=float)
+    benefit = np.broadcast_to(curves[:, :, None, None], curves.shape + (2, 3)).copy()
+    return benefit_results(benefit, uniform_updates=[0, 4, 8, 16], seeded=True)
+
+
+def test_finishing_phase_by_hand():
+    phase = finishing_phase(seed_curves([[1, 0.5, 0.01, 0.01], [1, 0.01, 0.01, 0.01], [1, 0.5, 0.5, 0.01]]))
+    # Seed-mean curve: 1, 0.34, 0.17, 0.01 -> below 0.05 from 16 on (the crossing lies in (8, 16]).
+    assert (phase.decay_updates, phase.decay_after, phase.max_uniform_updates) == (16, 8, 16)
+    assert [decay.uniform_updates for decay in phase.per_seed] == [8, 4, 16]
+    assert phase.switch.mean == pytest.approx(1.0) and phase.switch.unit == "seed"
+    crossings = phase.per_seed_interval
+    assert crossings.mean == pytest.approx(28 / 3) and crossings.n == 3
+    assert (crossings.lower, crossings.upper) == pytest.approx(scipy_t([8, 4, 16]))
+    # After 4 updates the seeds are at 0.5, 0.01, 0.5: an interval over seeds that reaches below zero.
+    assert phase.first_zero_overlap == 4
+    assert (phase.zero_overlap.lower, phase.zero_overlap.upper) == pytest.approx(scipy_t([0.5, 0.01, 0.5]))
+    text = format_finishing_phase(phase)
+    assert "for good from: 16 uniform updates (after 8" in text
+    assert "seed 0: 8, seed 1: 4, seed 2: 16" in text and "contains zero: 4 uniform updates" in text
+
+
+def test_no_interval_containing_zero_within_the_grid():
+    phase = finishing_phase(seed_curves([[1, 0.5, 0.2, 0.1], [1, 0.6, 0.3, 0.2], [1, 0.4, 0.25, 0.15]]))
+    assert phase.first_zero_overlap is None and phase.zero_overlap is None
+    assert "contains zero: none within 16" in format_finishing_phase(phase)
+
+
+def test_finishing_phase_with_a_seed_that_never_crosses():
+    phase = finishing_phase(seed_curves([[1, 0.5, 0.01, 0.01], [1, 0.5, 0.3, 0.2], [1, 0.01, 0.01, 0.01]]))
+    assert [decay.uniform_updates for decay in phase.per_seed] == [8, None, 4]
+    assert phase.per_seed_interval is None  # a censored seed would bias any interval low
+    assert phase.decay_updates is None
+    assert "seed 1: none within 16" in format_finishing_phase(phase)
+
+
+def test_first_snapshot_whose_seed_interval_contains_zero():
+    phase = finishing_phase(hand_seeds())
+    assert phase.first_zero_overlap == 16
+    assert phase.zero_overlap.contains_zero() and phase.zero_overlap.n == 3
+    assert phase.decay_updates == 16 and phase.decay_after == 0
+
+
+def test_mixed_learning_rates_are_named_per_file():
+    ds = hand_seeds()
+    same = ds.assign_coords(lr=(("seed", "snapshot"), np.full((3, 2), 1e-3)))
+    assert mixed_learning_rate_warning(same, ["a.h5", "b.h5", "c.h5"]) is None
+    assert mixed_learning_rate_warning(ds, ["a.h5", "b.h5", "c.h5"]) is None  # no lr recorded
+    mixed = ds.assign_coords(lr=(("seed", "snapshot"), [[1e-3, 1e-3], [1e-3, 1e-3], [1e-3, 5e-4]]))
+    message = mixed_learning_rate_warning(mixed, ["a.h5", "b.h5", "c.h5"])
+    assert message.count("\n") == 0 and "different learning rates" in message
+    assert "c.h5: lr 0.001 (s0), lr 0.0005 (s16)" in message and "a.h5: lr 0.001" in message
+    one_file = hand_seeds().isel(seed=0, drop=True).assign_coords(lr=("snapshot", [2e-3, 1e-3]))
+    assert "only.h5: lr 0.002 (s0), lr 0.001 (s16)" in mixed_learning_rate_warning(one_file, ["only.h5"])

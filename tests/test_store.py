@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -139,15 +140,70 @@ def test_several_files_combine_along_seed(tmp_path):
     assert "seed" not in combined.attrs  # differs between files
 
 
-def test_seeds_default_to_positions_and_batches_are_padded(tmp_path):
+def test_seeds_default_to_positions(tmp_path):
     first, second = tmp_path / "a.h5", tmp_path / "b.h5"
-    write_dataset(synthetic_results(seed=0, n_batches=3, attrs={"tag": "x"}), first)
-    write_dataset(synthetic_results(seed=1, n_batches=2, attrs={"tag": "x"}), second)
+    write_dataset(synthetic_results(seed=0, attrs={"tag": "x"}), first)
+    write_dataset(synthetic_results(seed=1, attrs={"tag": "x"}), second)
     combined = open_results([first, second])
     assert list(combined["seed"].values) == [0, 1]
     assert combined.attrs == {"tag": "x"}
-    assert np.isnan(combined["benefit"].sel(seed=1, batch=2)).all()
-    assert np.isfinite(combined["benefit"].sel(seed=1, batch=1)).all()
+
+
+def run_config(seed: int, lr: float = 2e-3) -> str:
+    return json.dumps({"model": {"d_model": 32}, "optim": {"lr": lr}, "train": {"seed": seed, "updates": 40}})
+
+
+def diagnosed(seed: int, **changes) -> xr.Dataset:
+    """A per-seed results file as `diagnose` writes it: run config, settings and provenance attributes."""
+    attrs = {
+        "config": run_config(seed),
+        "isolate": "counterfactual",
+        "rms_match": "reference",
+        "lr_override": "none",
+        "created": f"2026-01-0{seed + 1}T00:00:00+00:00",
+        "snapshot_sha256": json.dumps({"uniform-0000": f"{seed:064d}"}),
+    }
+    return synthetic_results(seed=seed, attrs={**attrs, **changes})
+
+
+def test_files_differing_only_in_seed_and_provenance_combine(tmp_path):
+    paths = [tmp_path / f"seed{seed}.h5" for seed in (0, 1)]
+    for seed, path in enumerate(paths):
+        ds = diagnosed(seed)
+        write_dataset(ds.assign_coords(lr=("snapshot", [1e-3, 1e-3, 1e-3, 5e-4 * (seed + 1)])), path)
+    combined = open_results(paths)
+    assert list(combined["seed"].values) == [0, 1]  # from the run config's train.seed
+    assert combined.attrs["isolate"] == "counterfactual" and "created" not in combined.attrs
+    # Each seed keeps the learning rates its snapshots were diagnosed at.
+    assert combined["lr"].dims == ("seed", "snapshot")
+    np.testing.assert_array_equal(combined["lr"].sel(seed=1).values, [1e-3, 1e-3, 1e-3, 1e-3])
+    np.testing.assert_array_equal(combined["lr"].sel(seed=0).values, [1e-3, 1e-3, 1e-3, 5e-4])
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"config": run_config(1, lr=1e-3)}, r"run config key optim\.lr 0\.001 differs from .*seed0\.h5's 0\.002"),
+        ({"isolate": "linear"}, r"isolate 'linear' differs from .*seed0\.h5's 'counterfactual'"),
+        ({"rms_match": "geomean"}, "rms_match 'geomean' differs"),
+        ({"lr_override": 1e-3}, "lr_override 0.001 differs"),
+    ],
+)
+def test_files_differing_in_more_than_the_seed_are_refused(tmp_path, changes, message):
+    base, other = tmp_path / "seed0.h5", tmp_path / "seed1.h5"
+    write_dataset(diagnosed(0), base)
+    write_dataset(diagnosed(1, **changes), other)
+    with pytest.raises(InputError, match=f"^{re.escape(str(other))}: {message}.*only the seed may differ"):
+        open_results([base, other])
+
+
+def test_different_batch_counts_are_refused(tmp_path):
+    first, second = tmp_path / "a.h5", tmp_path / "b.h5"
+    write_dataset(synthetic_results(seed=0, n_batches=3), first)
+    write_dataset(synthetic_results(seed=1, n_batches=2), second)
+    expected = r"b.h5: batches per snapshot \[2, 2, 2, 2\] differ from .*a.h5's \[3, 3, 3, 3\]"
+    with pytest.raises(InputError, match=expected):
+        open_results([first, second])
 
 
 def test_incompatible_or_duplicate_seeds_are_refused(tmp_path):
@@ -164,7 +220,10 @@ def test_incompatible_or_duplicate_seeds_are_refused(tmp_path):
 
 
 def test_analysis_never_imports_torch():
-    code = "import sys, analysis, analysis.store, analysis.stats, analysis.figures; print('torch' in sys.modules)"
+    code = (
+        "import sys, analysis, analysis.store, analysis.stats, analysis.figures, analysis.sensitivity; "
+        "print('torch' in sys.modules)"
+    )
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "MPLBACKEND": "Agg"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root, env=env)
