@@ -17,17 +17,27 @@ TORCH_INDEX ?=
 
 CONFIG ?= configs/tiny.toml
 NAME := $(basename $(notdir $(CONFIG)))
-RUN_DIR := runs/$(NAME)
-RESULTS := results/$(NAME).h5
-# Diagnostic batches per snapshot (each one is a (snapshot, batch) unit).
-BATCHES ?= 32
-FIGURE := figures/figure4$(if $(filter tiny,$(NAME)),,-$(NAME)).png
+# Training seeds: the unit of replication. Each seed trains and is diagnosed on its own.
+SEEDS ?= 0 1 2
+# Diagnostic batches per snapshot (each one is a (snapshot, batch) unit). Batch noise
+# is small next to seed noise at this count (summarize prints both variances).
+BATCHES ?= 4
+# The seeds' jobs run side by side, one torch thread each: tiny models use one
+# core better than two threads share it.
+JOBS ?= $(words $(SEEDS))
+THREADS ?= 1
+RUNS := runs/$(NAME)
+RESULTS := results/$(NAME)
+SEED_RESULTS := $(foreach seed,$(SEEDS),$(RESULTS)/seed$(seed).h5)
+# Generated figures go to results/ (ignored); figures/ holds the committed reference.
+FIGURE := $(RESULTS)/figure4.png
+SUMMARY := $(RESULTS)/summary.txt
 
-TRAINER_SOURCES := $(wildcard trainer/*.py)
+TRAINER_SOURCES := $(filter-out trainer/corpus.py,$(wildcard trainer/*.py)) $(wildcard common/*.py)
 DIAG_SOURCES := $(wildcard diag/*.py)
 ANALYSIS_SOURCES := $(wildcard analysis/*.py)
 
-.PHONY: setup figure4 summary test test-slow bench flops clean
+.PHONY: setup figure4 figure4-files summary reference sensitivity test test-slow bench flops clean corpus
 .DELETE_ON_ERROR:
 
 setup: $(VENV)/.installed
@@ -38,29 +48,65 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 
-figure4: $(FIGURE) results/$(NAME)-summary.txt
+# The seeds' runs and diagnostics are independent jobs, run $(JOBS) at a time.
+figure4: $(VENV)/.installed
+	$(MAKE) --no-print-directory -j $(JOBS) figure4-files
+	cat $(SUMMARY)
 
-# The run's summary.json marks a finished training run (snapshots included). A
-# run interrupted before it resumes from its newest checkpoint; a finished run
-# whose config or sources changed starts over, and its diagnostics with it.
-$(RUN_DIR)/summary.json: $(CONFIG) $(TRAINER_SOURCES) | $(VENV)/.installed
-	if [ -e $@ ]; then rm -rf $(RUN_DIR) $(RESULTS) $(RESULTS).parts; fi
-	$(DEPTHDIAG) train $(CONFIG) --out $(RUN_DIR) $$(if [ -e $(RUN_DIR)/checkpoints/latest ]; then echo --resume $(RUN_DIR); fi)
+figure4-files: $(FIGURE) $(SUMMARY)
 
-$(RESULTS): $(RUN_DIR)/summary.json $(DIAG_SOURCES) analysis/store.py
+# A seed's summary.json marks its finished training run (snapshots included). A run
+# interrupted before it resumes from its newest checkpoint; a finished run whose config
+# or sources changed starts over, and its diagnostics with it.
+$(RUNS)/seed%/summary.json: $(CONFIG) $(TRAINER_SOURCES) | $(VENV)/.installed
+	if [ -e $@ ]; then rm -rf $(RUNS)/seed$* $(RESULTS)/seed$*.h5 $(RESULTS)/seed$*.h5.parts; fi
+	OMP_NUM_THREADS=$(THREADS) $(DEPTHDIAG) train $(CONFIG) --out $(RUNS)/seed$* --set train.seed=$* \
+	  $$(if [ -e $(RUNS)/seed$*/checkpoints/latest ]; then echo --resume $(RUNS)/seed$*; fi)
+
+$(RESULTS)/seed%.h5: $(RUNS)/seed%/summary.json $(DIAG_SOURCES) analysis/store.py
 	mkdir -p $(dir $@)
 	rm -f $@
-	$(DEPTHDIAG) diagnose $(RUN_DIR)/snapshots/*.pt --out $@ --batches $(BATCHES) --resume
+	OMP_NUM_THREADS=$(THREADS) $(DEPTHDIAG) diagnose $(RUNS)/seed$*/snapshots/*.pt --out $@ \
+	  --batches $(BATCHES) --resume
 
-results/$(NAME)-summary.txt: $(RESULTS) $(ANALYSIS_SOURCES)
-	$(DEPTHDIAG) summarize $< > $@.tmp && mv $@.tmp $@
+$(SUMMARY): $(SEED_RESULTS) $(ANALYSIS_SOURCES)
+	$(DEPTHDIAG) summarize $(SEED_RESULTS) > $@.tmp
+	$(DEPTHDIAG) summarize $(SEED_RESULTS) --json > $(RESULTS)/summary.json.tmp
+	mv $(RESULTS)/summary.json.tmp $(RESULTS)/summary.json
+	mv $@.tmp $@
+
+$(FIGURE): $(SEED_RESULTS) $(ANALYSIS_SOURCES)
+	$(DEPTHDIAG) plot $(SEED_RESULTS) --figure 4 --out $@
+
+summary: $(SUMMARY)
+
+# The README's reference: copy a finished `make figure4` of the default config into figures/.
+reference: $(FIGURE) $(SUMMARY)
+	cp $(FIGURE) figures/figure4.png
+	cp $(SUMMARY) figures/figure4-summary.txt
+	cp $(RESULTS)/summary.json figures/figure4-summary.json
+
+# Does the conclusion depend on the diagnostic's own choices? Every isolate x rms_match
+# pair on the switch and 16-update snapshots of every seed (after `make figure4`).
+ISOLATES := counterfactual linear none
+RMS_MATCHES := reference geomean per-tensor none
+SENSITIVITY := $(RESULTS)/sensitivity
+SENSITIVITY_RESULTS := $(foreach seed,$(SEEDS),$(foreach isolate,$(ISOLATES),$(foreach rms,$(RMS_MATCHES),\
+  $(SENSITIVITY)/seed$(seed)-$(isolate)-$(rms).h5)))
+
+$(SENSITIVITY)/seed%.h5: $(SEED_RESULTS)
+	mkdir -p $(dir $@)
+	seed=$$(echo $* | cut -d- -f1); isolate=$$(echo $* | cut -d- -f2); rms=$$(echo $* | cut -d- -f3-); \
+	OMP_NUM_THREADS=$(THREADS) $(DEPTHDIAG) diagnose $(RUNS)/seed$$seed/snapshots/u0000_*.pt \
+	  $(RUNS)/seed$$seed/snapshots/u0016_*.pt --out $@ --batches $(BATCHES) --isolate $$isolate \
+	  --rms-match $$rms --force --no-progress
+
+$(SENSITIVITY).md: $(SENSITIVITY_RESULTS) $(ANALYSIS_SOURCES)
+	$(DEPTHDIAG) sensitivity $(SENSITIVITY_RESULTS) > $@.tmp && mv $@.tmp $@
 	cat $@
 
-$(FIGURE): $(RESULTS) $(ANALYSIS_SOURCES)
-	mkdir -p $(dir $@)
-	$(DEPTHDIAG) plot $< --figure 4 --out $@
-
-summary: results/$(NAME)-summary.txt
+sensitivity: $(VENV)/.installed
+	$(MAKE) --no-print-directory -j $(JOBS) $(SENSITIVITY).md
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
@@ -69,9 +115,8 @@ test-slow: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow
 
 bench: $(VENV)/.installed
-	$(PY) bench/bench_model.py
-	$(PY) bench/bench_train.py
-	$(PY) bench/bench_diag.py
+	$(PY) bench/run.py --config configs/tiny.toml
+	$(PY) bench/report.py bench/results.json README.md
 
 flops: $(VENV)/.installed
 	$(DEPTHDIAG) flops configs/paper-200m.toml --updates 4800 --match uniform:1-16
@@ -91,7 +136,6 @@ $(CORPUS_FILES): data/%/corpus.txt: trainer/corpus.py | $(VENV)/.installed
 	$(PY) -m trainer.corpus $* --out $@
 
 CONFIG_CORPUS := $(filter $(CORPUS_FILES),$(shell sed -n 's/^ *path *= *"\([^"]*\)".*/\1/p' $(CONFIG) 2>/dev/null))
-$(RUN_DIR)/summary.json: $(CONFIG_CORPUS)
+$(foreach seed,$(SEEDS),$(RUNS)/seed$(seed)/summary.json): $(CONFIG_CORPUS)
 
 corpus: $(CORPUS_FILES)
-.PHONY: corpus

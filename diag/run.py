@@ -234,7 +234,8 @@ def _run_units(config: DiagnoseConfig, entries: list[_Entry], parts: Path, devic
     todo = {e.name: [i for i in range(e.batches) if not _part_path(parts, e, i).exists()] for e in entries}
     total = sum(e.batches for e in entries)
     done = total - sum(len(v) for v in todo.values())
-    with progress_bar(total, "diagnose", "unit", initial=done, enabled=config.progress) as bar:
+    with progress_bar(total, f"diagnose {parts.parent / parts.stem}", "unit", initial=done,
+                      enabled=config.progress) as bar:
         for entry in entries:
             if not todo[entry.name]:
                 continue

@@ -322,7 +322,7 @@ def _train(config: RunConfig, run_dir: Path, world: World, *, resume: bool, prog
     interval_loss = torch.zeros((), dtype=torch.float64, device=world.device)
     interval_tokens = torch.zeros((), dtype=torch.float64, device=world.device)
     metrics = (run_dir / "metrics.jsonl").open("a", encoding="utf-8") if world.is_main else None
-    bar = progress_bar(tc.updates, "train", "upd", initial=start, enabled=progress and world.is_main)
+    bar = progress_bar(tc.updates, f"train {run_dir}", "upd", initial=start, enabled=progress and world.is_main)
     try:
         write_boundary(start)
         session_began, wall_time_before = time.perf_counter(), counters["wall_time"]
