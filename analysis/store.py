@@ -188,7 +188,7 @@ def _seed_of(ds: xr.Dataset):
 
 
 # Diagnostic settings that change what a results file measures, stored as file attributes.
-DIAGNOSTIC_SETTINGS = ("isolate", "rms_match", "lr_override")
+DIAGNOSTIC_SETTINGS = ("isolate", "rms_match", "lr_override", "eval_set")
 LAYOUT_COORDS = ("update_depth", "serving_depth", "uniform_updates")
 
 

@@ -171,7 +171,20 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=16, help="Timed updates per side.")
     parser.add_argument("--fixed-first-updates", type=int, default=30)
     parser.add_argument("--segment", type=int, default=4, help="Updates per alternating segment.")
+    parser.add_argument("--achieved-only", action="store_true",
+                        help="Only tokens/s and achieved FLOP/s of the config's own settings against the matmul "
+                             "peak in its precision (the GPU check's throughput line).")
     args = parser.parse_args()
+    if args.achieved_only:
+        config = load_config(args.config, args.overrides)
+        device = resolve_device(config.train.device)
+        dtype = torch.bfloat16 if config.train.precision == "bf16" else torch.float32
+        peak = matmul_peak(device, dtype, size=8192 if device.type == "cuda" else 2048)
+        for spec, row in achieved_flops(config, device, args.updates, peak).items():
+            print(f"{spec}: {row['tokens_per_second']:,.0f} tokens/s, {row['flops_per_second'] / 1e12:.2f} TFLOP/s "
+                  f"modeled = {row['fraction_of_peak']:.1%} of the {config.train.precision} matmul peak "
+                  f"({peak / 1e12:.1f} TFLOP/s measured here), compile={config.train.compile}")
+        return
     print(json.dumps(run(args.config, args.overrides, updates=args.updates,
                          fixed_first_updates=args.fixed_first_updates, segment=args.segment), indent=2))
 

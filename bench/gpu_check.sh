@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU path in one short run: bf16 training of a mid-size model on CUDA for a
 # few hundred updates (fixed-first, with snapshots at the switch and 16 uniform
-# updates later), a bit-exact resume check, evaluation, and the diagnostic on
-# CUDA. Prints what it measures; exits non-zero on the first failure.
+# updates later), tokens/s and achieved FLOP/s of the compiled paper-200m-shaped
+# model against the measured bf16 matmul peak, a resume check, evaluation, and the
+# diagnostic on CUDA. Prints what it measures; exits non-zero on the first failure.
 #
 #   bash bench/gpu_check.sh [OUT_DIR]
 #   DEVICE=cpu UPDATES=24 D_MODEL=64 bash bench/gpu_check.sh   # the same steps, small, on the CPU
@@ -44,6 +45,16 @@ first, last = rows[0], rows[-1]
 print(f"loss {first['loss']:.3f} -> {last['loss']:.3f}; {last['flops'] / last['wall_time'] / 1e12:.2f} modeled TFLOP/s")
 assert last["loss"] < first["loss"], "training did not reduce the loss"
 EOF
+
+echo "== throughput: the compiled paper-200m-shaped model in bf16 (tiny on the CPU), bioS tokens"
+if [ "$DEVICE" = cuda ]; then
+  THROUGHPUT=(--config configs/paper-200m.toml --set 'data.source="bios"' --set train.batch_size=16
+              --set train.seq_len=2048 --updates 10)
+else
+  THROUGHPUT=(--config configs/tiny.toml --set train.batch_size=8 --updates 4)
+fi
+"$PY" bench/bench_train.py --achieved-only "${THROUGHPUT[@]}" --set train.compile=true \
+  --set train.precision=bf16 --set train.device="$DEVICE"
 
 echo "== resume: the second half again from the middle checkpoint"
 mkdir -p "$OUT/resumed/checkpoints"

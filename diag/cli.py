@@ -196,13 +196,16 @@ def eval_checkpoint(checkpoint: Path, serving: str, out: Path | None, device: st
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--eval-batch-size", type=click.IntRange(min=1), default=32, show_default=True,
               help="Evaluation sequences per forward pass.")
+@click.option("--eval-set", type=click.Choice(["snapshot", "attributes"]), default="snapshot", show_default=True,
+              help="snapshot: the evaluation set the snapshot carries; attributes (bioS): the evaluation "
+                   "presentations, NLL over the attribute-value tokens only.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run with the same settings.")
 @click.option("--force", is_flag=True, help="Discard an unfinished run or an existing OUT and start over.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @reports_input_errors
 def diagnose(snapshots: tuple[str, ...], out: str, update_depths: str, serving: str, batches: int | None,
-             isolate: str, rms_match: str, lr: float | None, device: str, eval_batch_size: int, resume: bool,
-             force: bool, no_progress: bool) -> None:
+             isolate: str, rms_match: str, lr: float | None, device: str, eval_batch_size: int, eval_set: str,
+             resume: bool, force: bool, no_progress: bool) -> None:
     """Compare single updates at several depths from each SNAPSHOT (snapshot or checkpoint
     files of one run) on its batches; write nll, benefit and update statistics to OUT.
 
@@ -215,7 +218,7 @@ def diagnose(snapshots: tuple[str, ...], out: str, update_depths: str, serving: 
 
     config = DiagnoseConfig(snapshots=snapshots, out=out, update_depths=parse_update_depths(update_depths),
                             serving_depths=parse_depths(serving), batches=batches, isolate=isolate,
-                            rms_match=rms_match, lr=lr, eval_batch_size=eval_batch_size, device=device,
+                            rms_match=rms_match, lr=lr, eval_batch_size=eval_batch_size, eval_set=eval_set, device=device,
                             resume=resume, force=force, progress=not no_progress)
     click.echo(f"wrote {run_diagnose(config)}")
 

@@ -218,7 +218,7 @@ class UpdateDiagnostic:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, eval_tokens: Tensor,
-                 options: DiagnosticOptions = DiagnosticOptions()):
+                 options: DiagnosticOptions = DiagnosticOptions(), eval_mask: Tensor | None = None):
         self.model = model
         self.options = options
         self.step: OptimizerStep = optimizer_step(optimizer, options.lr)
@@ -242,12 +242,20 @@ class UpdateDiagnostic:
         self.buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
         self.device = next(iter(values.values())).device if values else torch.device("cpu")
         self.eval_tokens = _check_tokens(eval_tokens, "eval_tokens").to(self.device)
+        targets = self.eval_tokens[:, 1:]
+        if eval_mask is not None:
+            if not torch.is_tensor(eval_mask) or eval_mask.dtype != torch.bool or eval_mask.shape != targets.shape:
+                raise ValueError(f"eval_mask must be a bool tensor of the targets' shape {list(targets.shape)} "
+                                 "(eval_tokens[:, 1:])")
+            targets = targets.masked_fill(~eval_mask.to(self.device), IGNORE_INDEX)
+        self.eval_targets = targets
+        """int64 [E, T]: the evaluation targets, IGNORE_INDEX where eval_mask leaves a token out."""
         # Counted targets per evaluation chunk, read once: every evaluation reuses them, and
         # reading them per chunk would stall the device on each one.
-        self._chunk_counts = [int((rows[:, 1:] != IGNORE_INDEX).sum())
-                              for rows in self.eval_tokens.split(options.eval_batch_size)]
+        self._chunk_counts = [int((rows != IGNORE_INDEX).sum())
+                              for rows in self.eval_targets.split(options.eval_batch_size)]
         if sum(self._chunk_counts) == 0:
-            raise ValueError("eval_tokens has no target that is not IGNORE_INDEX")
+            raise ValueError("the evaluation set has no counted target (all IGNORE_INDEX or masked out)")
         self._delta0: list[Tensor] | None = None
         self._nll_before: np.ndarray | None = None
         self._nll_module = _NllByDepth(model) if callable(getattr(model, "nll_by_depth", None)) else None
@@ -309,10 +317,12 @@ class UpdateDiagnostic:
         depths = list(self.options.serving_depths)
         total = torch.zeros(len(depths), dtype=torch.float64, device=self.device)
         with torch.no_grad(), _module_mode(self.model, training=False):
-            for rows, count in zip(self.eval_tokens.split(self.options.eval_batch_size), self._chunk_counts):
+            chunks = zip(self.eval_tokens.split(self.options.eval_batch_size),
+                         self.eval_targets.split(self.options.eval_batch_size), self._chunk_counts)
+            for rows, targets, count in chunks:
                 if count == 0:
                     continue
-                inputs, targets = rows[:, :-1], rows[:, 1:]  # [b, T] each
+                inputs = rows[:, :-1]  # [b, T], targets [b, T]
                 total += self._chunk_nll(params, inputs, targets, depths).double() * count
         return (total / sum(self._chunk_counts)).cpu().numpy()
 
@@ -385,11 +395,12 @@ def compare_updates(model: nn.Module, optimizer: torch.optim.Optimizer, batch: T
                     update_depths: Sequence[int] = (4, 16), serving_depths: Iterable[int] = range(1, 17),
                     depth_kwarg: str = "depth", isolate: str = "counterfactual", rms_match: str = "reference",
                     lr: float | None = None, grad_clip: float | None = None, precision: str = "fp32",
-                    eval_batch_size: int = 32) -> xr.Dataset:
+                    eval_batch_size: int = 32, eval_mask: Tensor | None = None) -> xr.Dataset:
     """The update diagnostic for one (snapshot, batch) unit; see `UpdateDiagnostic` and
-    docs/diagnostic.md. `batch` [B, T+1] and `eval_tokens` [E, T+1] are token ids.
+    docs/diagnostic.md. `batch` [B, T+1] and `eval_tokens` [E, T+1] are token ids;
+    `eval_mask` bool [E, T], when given, counts only the targets eval_tokens[:, 1:] it marks.
     The model and the optimizer are left bit-for-bit unchanged."""
     options = DiagnosticOptions(update_depths=tuple(update_depths), serving_depths=tuple(serving_depths),
                                 depth_kwarg=depth_kwarg, isolate=isolate, rms_match=rms_match, lr=lr,
                                 grad_clip=grad_clip, precision=precision, eval_batch_size=eval_batch_size)
-    return UpdateDiagnostic(model, optimizer, eval_tokens, options).compare(batch)
+    return UpdateDiagnostic(model, optimizer, eval_tokens, options, eval_mask=eval_mask).compare(batch)

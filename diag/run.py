@@ -36,6 +36,7 @@ from trainer.distributed import resolve_device
 from trainer.errors import InputError
 
 MANIFEST = "manifest.json"
+EVAL_SETS = ("snapshot", "attributes")
 PER_UNIT = ("nll", "benefit", "benefit_all", "update_rms", "rms_scale", "update_cosine", "train_loss")
 """Variables with a value per (snapshot, batch) unit; nll_before is per snapshot."""
 
@@ -80,6 +81,10 @@ class DiagnoseConfig:
     """Override of the learning rate; None: the LR each snapshot's next update uses."""
     eval_batch_size: int = 32
     """Evaluation rows per forward pass."""
+    eval_set: str = "snapshot"
+    """'snapshot': the evaluation set the snapshot carries (every target counted); 'attributes'
+    (bioS runs): the evaluation presentations, only attribute-value targets counted
+    (`BiosSource.attribute_eval`, built from the run's data config)."""
     device: str = "auto"
     """'auto' (cuda when available), 'cpu' or 'cuda'."""
     resume: bool = False
@@ -97,6 +102,8 @@ class DiagnoseConfig:
             raise ValueError(f"--batches must be >= 1, got {self.batches}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.eval_set not in EVAL_SETS:
+            raise ValueError(f"eval set must be one of {EVAL_SETS}, got {self.eval_set!r}")
         if self.resume and self.force:
             raise ValueError("--resume and --force contradict each other: pick one")
         # Validates depths, isolate, rms_match, lr and eval_batch_size with the engine's own rules.
@@ -142,6 +149,9 @@ def _entries(config: DiagnoseConfig) -> list[_Entry]:
             diff = sorted(k for k, v in snap.config.model.to_dict().items() if first.config.model.to_dict()[k] != v)
             raise InputError(f"{path}: model config differs from {first.path} ({', '.join(diff)}); "
                              "diagnose snapshots of one model at a time")
+        if config.eval_set == "attributes" and snap.config.data.source != "bios":
+            raise InputError(f"{path}: --eval-set attributes needs a bioS run, this one reads "
+                             f"data.source={snap.config.data.source!r}")
         carried = None if snap.batches is None else int(snap.batches.shape[0])
         wanted = config.batches or (carried if carried is not None else snap.config.train.snapshot_batches)
         if carried is not None and wanted > carried:
@@ -164,7 +174,8 @@ def _manifest(config: DiagnoseConfig, entries: list[_Entry], device: torch.devic
     """Everything that determines the results, to the last bit: a resumed run must agree
     on all of it (the device too, as kernels differ in their rounding)."""
     settings = {k: v for k, v in asdict(config).items() if k in ("update_depths", "serving_depths", "isolate",
-                                                                  "rms_match", "lr", "eval_batch_size")}
+                                                                  "rms_match", "lr", "eval_batch_size",
+                                                                  "eval_set")}
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
     return {"settings": settings, "device": device.type,
             "snapshots": [{"name": e.name, "sha256": e.sha256, "batches": e.batches} for e in entries]}
@@ -244,7 +255,8 @@ def _run_units(config: DiagnoseConfig, entries: list[_Entry], parts: Path, devic
             optimizer = snap.optimizer(model)
             options = config.options(grad_clip=snap.config.optim.grad_clip or None,
                                      precision=snap.config.train.precision)
-            diagnostic = UpdateDiagnostic(model, optimizer, snap.eval_tokens, options)
+            eval_tokens, eval_mask = _evaluation_set(config, snap)
+            diagnostic = UpdateDiagnostic(model, optimizer, eval_tokens, options, eval_mask=eval_mask)
             warning = _bias_correction_warning(entry, optimizer)
             if warning:
                 bar.write(warning)
@@ -255,6 +267,14 @@ def _run_units(config: DiagnoseConfig, entries: list[_Entry], parts: Path, devic
                 write_dataset(unit.expand_dims(snapshot=[entry.name], batch=[i]), _part_path(parts, entry, i))
                 bar.update(1)
             del diagnostic, optimizer, model, snap
+
+
+def _evaluation_set(config: DiagnoseConfig, snap: Snapshot) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(eval_tokens, eval_mask) for the chosen evaluation set."""
+    if config.eval_set == "snapshot":
+        return snap.eval_tokens, None
+    source = build_source(snap.config.data)
+    return source.attribute_eval(snap.config.data.eval_sequences, snap.config.train.seq_len)
 
 
 def _bias_correction_warning(entry: _Entry, optimizer: torch.optim.Optimizer) -> str | None:
@@ -318,7 +338,7 @@ def _assemble(config: DiagnoseConfig, entries: list[_Entry], manifest: dict, par
               "serving_depth": np.array(config.serving_depths, dtype=np.int64)}
     configs = {e.name: e.config_json for e in entries}
     attrs = {"config": entries[0].config_json,
-             "isolate": config.isolate, "rms_match": config.rms_match,
+             "isolate": config.isolate, "rms_match": config.rms_match, "eval_set": config.eval_set,
              "lr_override": float(config.lr) if config.lr is not None else "none",
              "optimizer": str(unit_attrs["optimizer"]), "grad_clip": float(unit_attrs["grad_clip"]),
              "precision": str(unit_attrs["precision"]),

@@ -223,3 +223,36 @@ def test_one_pass_recall_agrees_with_separate_forwards():
     assert model.training
     assert bits == recall_bits(SeparateForwards(model), source, depths)
     assert all(0 <= b <= source.spec.bits_per_person for b in bits.values())
+
+
+def test_attribute_eval_counts_exactly_the_attribute_values_of_evaluation_bios(source):
+    spec = source.spec
+    tokens, mask = source.attribute_eval(6, 64)
+    assert tokens.shape == (6, 65) and mask.shape == (6, 64) and mask.dtype == torch.bool
+    # The same people and packing as eval_tokens, in the evaluation orders.
+    assert torch.equal(tokens[:, 0], source.eval_tokens(6, 64)[:, 0])
+    for row in tokens.tolist():
+        for bio in split_bios(row):
+            if len(bio) == spec.bio_length:
+                order, (wording,) = fact_order(source, bio)
+                assert order == spec.evaluation_orders[wording]
+    # Each complete bio against its hand-built version, [SEP] name (relation value) x 6 in the
+    # evaluation order of its wording: the counted targets are exactly its value tokens.
+    names = {tuple(name): person for person, name in enumerate(source.names.tolist())}
+    checked = 0
+    for r, row in enumerate(tokens.tolist()):
+        start = 0
+        for bio in split_bios(row):
+            if len(bio) == spec.bio_length:
+                person = names[tuple(bio[1:1 + spec.name_length])]
+                _, (template,) = fact_order(source, bio)
+                expected = expected_bio(source, person, template, spec.evaluation_orders[template])
+                assert bio == expected
+                values = {start + i for i, t in enumerate(expected) if t >= spec.first_value_token}
+                assert len(values) == sum(spec.value_lengths)
+                counted = {t + 1 for t in range(64) if mask[r, t] and start <= t + 1 < start + spec.bio_length}
+                assert counted == values - {0}
+                checked += 1
+            start += len(bio)
+    assert checked >= 6 * (65 // spec.bio_length)
+    assert torch.equal(mask, tokens[:, 1:] >= spec.first_value_token)

@@ -116,6 +116,35 @@ def test_checkpoints_draw_the_runs_next_batches(run, tmp_path):
     assert ds.attrs["batch_source"] == '{"ckpt-000005": "data"}' and ds.attrs["isolate"] == "none"
 
 
+def test_attribute_evaluation_set_scores_the_evaluation_presentations(run, tmp_path):
+    out = tmp_path / "attributes.h5"
+    diagnose(DiagnoseConfig(snapshots=(str(run[2]),), out=str(out), update_depths=UPDATE_DEPTHS,
+                            serving_depths=SERVING, batches=1, eval_set="attributes", progress=False))
+    ds = open_results(out)
+    assert ds.attrs["eval_set"] == "attributes"
+    cfg = run_config()
+    tokens, mask = build_source(cfg.data).attribute_eval(cfg.data.eval_sequences, SEQ)
+    snap = load_snapshot(run[2])
+    model = snap.model()
+    unit = diag.compare_updates(model, snap.optimizer(model), snap.batches[0], tokens, eval_mask=mask,
+                                update_depths=UPDATE_DEPTHS, serving_depths=SERVING,
+                                grad_clip=snap.config.optim.grad_clip)
+    np.testing.assert_allclose(ds.nll.values[0, 0], unit.nll.values, rtol=0, atol=1e-9)
+
+
+def test_attribute_evaluation_set_needs_a_bios_run(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("a few words of text, repeated. " * 40, encoding="utf-8")
+    config = run_config()
+    config = RunConfig(model=ModelConfig(**{**config.model.to_dict(), "vocab_size": 256}),
+                       data=DataConfig(source="text", path=str(corpus), eval_sequences=4),
+                       optim=config.optim, train=config.train)
+    paths = write_run(tmp_path, config)
+    result = cli(paths[2], "--out", tmp_path / "r.h5", "--eval-set", "attributes")
+    assert result.exit_code == 2 and "needs a bioS run" in result.output
+    assert not (tmp_path / "r.h5").exists() and not (tmp_path / "r.h5.parts").exists()
+
+
 def cli(*args):
     return CliRunner().invoke(main, ["diagnose", *map(str, args)])
 

@@ -336,3 +336,20 @@ def test_evaluation_runs_in_eval_mode_and_modes_are_restored():
         model.inner.eval()
     np.testing.assert_allclose(first.nll_before.values, expected, rtol=1e-6)
     assert model.training and model.dropout.training and not model.inner.training
+
+
+def test_eval_mask_counts_only_the_marked_targets():
+    torch.manual_seed(0)
+    model = LoopedTransformer(ModelConfig(vocab_size=40, max_seq_len=10, d_model=16, n_heads=2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batch, eval_tokens = torch.randint(0, 40, (3, 11)), torch.randint(0, 40, (5, 11))
+    mask = torch.rand(5, 10) < 0.4
+    ds = diag.compare_updates(model, optimizer, batch, eval_tokens, update_depths=(1, 3), serving_depths=(1, 2, 4),
+                              eval_mask=mask, eval_batch_size=2)
+    with torch.no_grad():
+        for i, s in enumerate((1, 2, 4)):
+            logits = model(eval_tokens[:, :-1], depth=s)
+            expected = F.cross_entropy(logits[mask].double(), eval_tokens[:, 1:][mask])
+            assert ds["nll_before"].values[i] == pytest.approx(float(expected), rel=1e-6)
+    with pytest.raises(ValueError, match="eval_mask"):
+        diag.compare_updates(model, optimizer, batch, eval_tokens, eval_mask=mask[:, :5])

@@ -230,21 +230,25 @@ class BiosSource:
     # --- TokenSource --------------------------------------------------------------------------
 
     def _packed(self, rng: np.random.Generator, rows: int, keep: slice, seq_len: int,
-                layouts: list[tuple[np.ndarray, np.ndarray]]) -> torch.Tensor:
-        """Rows of random bios (random person and template) packed back to back,
-        cut to seq_len + 1 tokens; draws for all `rows`, renders rows[keep]."""
+                layouts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of random bios (random person and template) packed back to back, cut to
+        seq_len + 1 tokens; draws for all `rows`, renders rows[keep]. Returns the tokens
+        and, aligned with them, the attribute each value token belongs to (-1 elsewhere)."""
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         per_row = -(-(seq_len + 1) // self.spec.bio_length)
         persons = rng.integers(0, self.people, size=(rows, per_row))[keep]
         templates = rng.integers(0, self.spec.templates, size=(rows, per_row))[keep]
         bios = self._render(persons.ravel(), templates.ravel(), layouts)  # [kept * per_row, bio_length]
-        return torch.from_numpy(bios.reshape(len(persons), -1)[:, :seq_len + 1])
+        owners = np.stack([layout[1] for layout in layouts])[templates.ravel()]  # [kept * per_row, bio_length]
+        cut = slice(0, seq_len + 1)
+        return (torch.from_numpy(bios.reshape(len(persons), -1)[:, cut]),
+                torch.from_numpy(owners.reshape(len(persons), -1)[:, cut]))
 
     def batch(self, seed: int, step: int, batch_size: int, seq_len: int, *,
               rank: int = 0, world_size: int = 1) -> torch.Tensor:
         keep = rank_rows(batch_size, rank, world_size)
-        return self._packed(batch_rng(seed, step), batch_size, keep, seq_len, self._training)
+        return self._packed(batch_rng(seed, step), batch_size, keep, seq_len, self._training)[0]
 
     def eval_tokens(self, n: int, seq_len: int) -> torch.Tensor:
         """Packed training-template bios of the same people in a packing of their own, fixed
@@ -254,7 +258,19 @@ class BiosSource:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         rng = np.random.Generator(np.random.PCG64([self.seed, _EVAL_STREAM, _BIOS_SALT]))
-        return self._packed(rng, n, slice(None), seq_len, self._training)
+        return self._packed(rng, n, slice(None), seq_len, self._training)[0]
+
+    def attribute_eval(self, n: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The paper's bioS evaluation as an NLL: packed bios in the evaluation orders (the
+        presentations recall is scored on, never trained on) and a mask that counts only the
+        targets that are attribute-value tokens. Returns tokens int64 [n, seq_len + 1] and
+        mask bool [n, seq_len] over the targets tokens[:, 1:]; the same people and packing
+        stream as `eval_tokens`."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        rng = np.random.Generator(np.random.PCG64([self.seed, _EVAL_STREAM, _BIOS_SALT]))
+        tokens, owners = self._packed(rng, n, slice(None), seq_len, self._evaluation)
+        return tokens, owners[:, 1:] >= 0
 
     # --- recall -------------------------------------------------------------------------------
 
