@@ -26,8 +26,12 @@ BATCHES ?= 4
 # core better than two threads share it.
 JOBS ?= $(words $(SEEDS))
 THREADS ?= 1
+# The evaluation set the diagnostic scores: `snapshot` (the one each snapshot carries) or, on
+# bioS, `attributes` (evaluation presentations, attribute-value tokens only). Each set's
+# results go to a folder of their own.
+EVAL_SET ?= snapshot
 RUNS := runs/$(NAME)
-RESULTS := results/$(NAME)
+RESULTS := results/$(NAME)$(if $(filter-out snapshot,$(EVAL_SET)),-$(EVAL_SET))
 SEED_RESULTS := $(foreach seed,$(SEEDS),$(RESULTS)/seed$(seed).h5)
 # Generated figures go to results/ (ignored); figures/ holds the committed reference.
 FIGURE := $(RESULTS)/figure4.png
@@ -67,7 +71,7 @@ $(RESULTS)/seed%.h5: $(RUNS)/seed%/summary.json $(DIAG_SOURCES) analysis/store.p
 	mkdir -p $(dir $@)
 	rm -f $@
 	OMP_NUM_THREADS=$(THREADS) $(DEPTHDIAG) diagnose $(RUNS)/seed$*/snapshots/*.pt --out $@ \
-	  --batches $(BATCHES) --resume
+	  --batches $(BATCHES) --eval-set $(EVAL_SET) --resume
 
 $(SUMMARY): $(SEED_RESULTS) $(ANALYSIS_SOURCES)
 	$(DEPTHDIAG) summarize $(SEED_RESULTS) > $@.tmp
@@ -98,7 +102,8 @@ $(SENSITIVITY)/seed%.h5: $(SEED_RESULTS)
 	mkdir -p $(dir $@)
 	seed=$$(echo $* | cut -d- -f1); isolate=$$(echo $* | cut -d- -f2); rms=$$(echo $* | cut -d- -f3-); \
 	OMP_NUM_THREADS=$(THREADS) $(DEPTHDIAG) diagnose $(RUNS)/seed$$seed/snapshots/u0000_*.pt \
-	  $(RUNS)/seed$$seed/snapshots/u0016_*.pt --out $@ --batches $(BATCHES) --isolate $$isolate \
+	  $(RUNS)/seed$$seed/snapshots/u0016_*.pt --out $@ --batches $(BATCHES) --eval-set $(EVAL_SET) \
+	  --isolate $$isolate \
 	  --rms-match $$rms --force --no-progress
 
 $(SENSITIVITY).md: $(SENSITIVITY_RESULTS) $(ANALYSIS_SOURCES)
