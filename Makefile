@@ -26,12 +26,13 @@ BATCHES ?= 4
 # core better than two threads share it.
 JOBS ?= $(words $(SEEDS))
 THREADS ?= 1
-# The evaluation set the diagnostic scores: `snapshot` (the one each snapshot carries) or, on
-# bioS, `attributes` (evaluation presentations, attribute-value tokens only). Each set's
-# results go to a folder of their own.
-EVAL_SET ?= snapshot
+# The evaluation set the diagnostic scores: `auto` (bioS: `attributes`, the evaluation
+# presentations scored on their attribute-value tokens, as the paper evaluates bioS; other
+# data: `snapshot`, the set each snapshot carries) or either by name. A named set's results
+# go to a folder of their own.
+EVAL_SET ?= auto
 RUNS := runs/$(NAME)
-RESULTS := results/$(NAME)$(if $(filter-out snapshot,$(EVAL_SET)),-$(EVAL_SET))
+RESULTS := results/$(NAME)$(if $(filter-out auto,$(EVAL_SET)),-$(EVAL_SET))
 SEED_RESULTS := $(foreach seed,$(SEEDS),$(RESULTS)/seed$(seed).h5)
 # Generated figures go to results/ (ignored); figures/ holds the committed reference.
 FIGURE := $(RESULTS)/figure4.png

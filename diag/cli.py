@@ -196,9 +196,10 @@ def eval_checkpoint(checkpoint: Path, serving: str, out: Path | None, device: st
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--eval-batch-size", type=click.IntRange(min=1), default=32, show_default=True,
               help="Evaluation sequences per forward pass.")
-@click.option("--eval-set", type=click.Choice(["snapshot", "attributes"]), default="snapshot", show_default=True,
+@click.option("--eval-set", type=click.Choice(["auto", "snapshot", "attributes"]), default="auto", show_default=True,
               help="snapshot: the evaluation set the snapshot carries; attributes (bioS): the evaluation "
-                   "presentations, NLL over the attribute-value tokens only.")
+                   "presentations, NLL over the attribute-value tokens only; auto: attributes for bioS runs, "
+                   "snapshot otherwise.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run with the same settings.")
 @click.option("--force", is_flag=True, help="Discard an unfinished run or an existing OUT and start over.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
@@ -218,8 +219,8 @@ def diagnose(snapshots: tuple[str, ...], out: str, update_depths: str, serving: 
 
     config = DiagnoseConfig(snapshots=snapshots, out=out, update_depths=parse_update_depths(update_depths),
                             serving_depths=parse_depths(serving), batches=batches, isolate=isolate,
-                            rms_match=rms_match, lr=lr, eval_batch_size=eval_batch_size, eval_set=eval_set, device=device,
-                            resume=resume, force=force, progress=not no_progress)
+                            rms_match=rms_match, lr=lr, eval_batch_size=eval_batch_size, eval_set=eval_set,
+                            device=device, resume=resume, force=force, progress=not no_progress)
     click.echo(f"wrote {run_diagnose(config)}")
 
 

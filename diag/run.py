@@ -19,7 +19,7 @@ import datetime
 import json
 import shutil
 import subprocess
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib import metadata
 from pathlib import Path
 
@@ -36,7 +36,7 @@ from trainer.distributed import resolve_device
 from trainer.errors import InputError
 
 MANIFEST = "manifest.json"
-EVAL_SETS = ("snapshot", "attributes")
+EVAL_SETS = ("auto", "snapshot", "attributes")
 PER_UNIT = ("nll", "benefit", "benefit_all", "update_rms", "rms_scale", "update_cosine", "train_loss")
 """Variables with a value per (snapshot, batch) unit; nll_before is per snapshot."""
 
@@ -81,10 +81,11 @@ class DiagnoseConfig:
     """Override of the learning rate; None: the LR each snapshot's next update uses."""
     eval_batch_size: int = 32
     """Evaluation rows per forward pass."""
-    eval_set: str = "snapshot"
+    eval_set: str = "auto"
     """'snapshot': the evaluation set the snapshot carries (every target counted); 'attributes'
     (bioS runs): the evaluation presentations, only attribute-value targets counted
-    (`BiosSource.attribute_eval`, built from the run's data config)."""
+    (`BiosSource.attribute_eval`, built from the run's data config), the paper's bioS
+    evaluation; 'auto': 'attributes' for bioS runs, 'snapshot' for others."""
     device: str = "auto"
     """'auto' (cuda when available), 'cpu' or 'cuda'."""
     resume: bool = False
@@ -137,6 +138,8 @@ class _Entry:
     """'snapshot' (carried in the file) or 'data' (drawn from the run's data config)."""
     config_json: str
     """The run config stored in the file."""
+    eval_set: str
+    """The evaluation set it is scored on: 'snapshot' or 'attributes' ('auto' resolved)."""
 
 
 def _entries(config: DiagnoseConfig) -> list[_Entry]:
@@ -149,9 +152,10 @@ def _entries(config: DiagnoseConfig) -> list[_Entry]:
             diff = sorted(k for k, v in snap.config.model.to_dict().items() if first.config.model.to_dict()[k] != v)
             raise InputError(f"{path}: model config differs from {first.path} ({', '.join(diff)}); "
                              "diagnose snapshots of one model at a time")
-        if config.eval_set == "attributes" and snap.config.data.source != "bios":
-            raise InputError(f"{path}: --eval-set attributes needs a bioS run, this one reads "
-                             f"data.source={snap.config.data.source!r}")
+        eval_set = _resolve_eval_set(config.eval_set, snap)
+        if entries and eval_set != entries[0].eval_set:
+            raise InputError(f"{path}: --eval-set auto means {eval_set!r} here but {entries[0].eval_set!r} for "
+                             f"{entries[0].path}; diagnose one kind of run at a time or name the set")
         carried = None if snap.batches is None else int(snap.batches.shape[0])
         wanted = config.batches or (carried if carried is not None else snap.config.train.snapshot_batches)
         if carried is not None and wanted > carried:
@@ -160,7 +164,7 @@ def _entries(config: DiagnoseConfig) -> list[_Entry]:
                               uniform_updates=snap.uniform_updates,
                               lr=float(config.lr if config.lr is not None else snap.lr), batches=wanted,
                               batch_source="data" if carried is None else "snapshot",
-                              config_json=snap.config.to_json()))
+                              config_json=snap.config.to_json(), eval_set=eval_set))
         del snap
     names = [e.name for e in entries]
     for entry in entries:
@@ -168,6 +172,16 @@ def _entries(config: DiagnoseConfig) -> list[_Entry]:
             raise InputError(f"{entry.path}: another snapshot has the same file name {entry.name!r}; "
                              "the name labels the snapshot in the results")
     return sorted(entries, key=lambda e: (e.uniform_updates, e.step))
+
+
+def _resolve_eval_set(choice: str, snap: Snapshot) -> str:
+    bios = snap.config.data.source == "bios"
+    if choice == "auto":
+        return "attributes" if bios else "snapshot"
+    if choice == "attributes" and not bios:
+        raise InputError(f"{snap.path}: --eval-set attributes needs a bioS run, this one reads "
+                         f"data.source={snap.config.data.source!r}")
+    return choice
 
 
 def _manifest(config: DiagnoseConfig, entries: list[_Entry], device: torch.device) -> dict:
@@ -362,6 +376,7 @@ def diagnose(config: DiagnoseConfig) -> Path:
     out = Path(config.out)
     parts = out.with_name(out.name + ".parts")
     entries = _entries(config)
+    config = replace(config, eval_set=entries[0].eval_set)
     device = resolve_device(config.device)
     manifest = _manifest(config, entries, device)
     if not _prepare(config, manifest, out, parts):

@@ -81,7 +81,7 @@ def expected_unit(path, batch, **kwargs):
 def test_results_file_follows_the_schema_and_matches_compare_updates(run, tmp_path):
     out = tmp_path / "results.h5"
     config = DiagnoseConfig(snapshots=(str(run[4]), str(run[2])), out=str(out), update_depths=UPDATE_DEPTHS,
-                            serving_depths=SERVING, batches=2, progress=False)
+                            serving_depths=SERVING, batches=2, eval_set="snapshot", progress=False)
     assert diagnose(config) == out
     assert not out.with_name("results.h5.parts").exists()
     ds = open_results(out)
@@ -99,6 +99,7 @@ def test_results_file_follows_the_schema_and_matches_compare_updates(run, tmp_pa
             assert float(ds.update_cosine.values[s, b]) == pytest.approx(float(unit.update_cosine), abs=1e-9)
         np.testing.assert_allclose(ds.nll_before.values[s], unit.nll_before.values, rtol=0, atol=1e-9)
     assert ds.attrs["isolate"] == "counterfactual" and ds.attrs["rms_match"] == "reference"
+    assert ds.attrs["eval_set"] == "snapshot"
     assert set(json.loads(ds.attrs["snapshot_sha256"])) == {"snap-u00", "snap-u02"}
     assert "torch_version" in ds.attrs and "config" in ds.attrs and "created" in ds.attrs
     assert ds.lr.values.tolist() == [7e-3, 7e-3]
@@ -107,7 +108,7 @@ def test_results_file_follows_the_schema_and_matches_compare_updates(run, tmp_pa
 def test_checkpoints_draw_the_runs_next_batches(run, tmp_path):
     out = tmp_path / "ckpt.h5"
     diagnose(DiagnoseConfig(snapshots=(str(run["checkpoint"]),), out=str(out), update_depths=UPDATE_DEPTHS,
-                            serving_depths=SERVING, batches=2, isolate="none", progress=False))
+                            serving_depths=SERVING, batches=2, isolate="none", eval_set="snapshot", progress=False))
     ds = open_results(out)
     cfg = run_config()
     batch = build_source(cfg.data).batch(cfg.train.seed, 5 + 1, BATCH, SEQ)
@@ -116,10 +117,10 @@ def test_checkpoints_draw_the_runs_next_batches(run, tmp_path):
     assert ds.attrs["batch_source"] == '{"ckpt-000005": "data"}' and ds.attrs["isolate"] == "none"
 
 
-def test_attribute_evaluation_set_scores_the_evaluation_presentations(run, tmp_path):
+def test_bios_runs_are_scored_on_the_evaluation_presentations_by_default(run, tmp_path):
     out = tmp_path / "attributes.h5"
     diagnose(DiagnoseConfig(snapshots=(str(run[2]),), out=str(out), update_depths=UPDATE_DEPTHS,
-                            serving_depths=SERVING, batches=1, eval_set="attributes", progress=False))
+                            serving_depths=SERVING, batches=1, progress=False))  # eval_set 'auto
     ds = open_results(out)
     assert ds.attrs["eval_set"] == "attributes"
     cfg = run_config()
@@ -132,7 +133,7 @@ def test_attribute_evaluation_set_scores_the_evaluation_presentations(run, tmp_p
     np.testing.assert_allclose(ds.nll.values[0, 0], unit.nll.values, rtol=0, atol=1e-9)
 
 
-def test_attribute_evaluation_set_needs_a_bios_run(tmp_path):
+def test_attribute_evaluation_set_needs_a_bios_run_and_auto_takes_the_snapshots_set(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("a few words of text, repeated. " * 40, encoding="utf-8")
     config = run_config()
@@ -143,6 +144,8 @@ def test_attribute_evaluation_set_needs_a_bios_run(tmp_path):
     result = cli(paths[2], "--out", tmp_path / "r.h5", "--eval-set", "attributes")
     assert result.exit_code == 2 and "needs a bioS run" in result.output
     assert not (tmp_path / "r.h5").exists() and not (tmp_path / "r.h5.parts").exists()
+    assert cli(paths[2], "--out", tmp_path / "r.h5", "--batches", 1, "--no-progress").exit_code == 0
+    assert open_results(tmp_path / "r.h5").attrs["eval_set"] == "snapshot"
 
 
 def cli(*args):
