@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -97,7 +97,7 @@ def evaluation_variants(config: RunConfig, repeats: int) -> dict:
     results = {f"one at a time, {rows} rows per chunk": (lambda d=d: [d.evaluate(u) for u in updates])
                for rows, d in by_chunk.items()}
     results["stacked under vmap, 64 rows"] = lambda: stacked_evaluation(reference, updates)
-    expected = torch.tensor([reference.evaluate(u) for u in updates])
+    expected = torch.from_numpy(np.stack([reference.evaluate(u) for u in updates]))
     seconds = alternated(results, repeats)
     differences = {name: float((torch.as_tensor(fn()) - expected).abs().max()) for name, fn in results.items()}
     return {name: {"seconds": seconds[name], "max_nll_difference": differences[name]} for name in results}
@@ -145,10 +145,21 @@ def unit_vs_parts(config: RunConfig, repeats: int) -> dict:
             "ratio": seconds["unit"] / seconds["parts"]}
 
 
+def _status_bytes(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (VmRSS, VmHWM), in bytes. Not
+    ru_maxrss: Linux carries that over exec from the forking parent, so a subprocess of a
+    big process would start at the parent's peak."""
+    for line in open("/proc/self/status", encoding="ascii"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
 def memory_probe(config_path: str) -> None:
-    """Run in a fresh process: RSS before and after building and running two units."""
+    """Run in a fresh process: resident memory before building anything, and its peak after
+    building the model and optimizer and running two units."""
     config = load_config(config_path)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before = _status_bytes("VmRSS")
     model, optimizer, batch, eval_tokens = snapshot_like(config)
     options = DiagnosticOptions(precision=config.train.precision, grad_clip=config.optim.grad_clip or None)
     diagnostic = UpdateDiagnostic(model, optimizer, eval_tokens, options)
@@ -157,7 +168,7 @@ def memory_probe(config_path: str) -> None:
     state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     state_bytes += sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
                        if torch.is_tensor(t))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _status_bytes("VmHWM")
     print(json.dumps({"peak_rss_bytes": peak, "rss_before_model_bytes": before,
                       "weights_and_optimizer_bytes": state_bytes}))
 

@@ -153,3 +153,37 @@ def test_config_validation(changes, message):
 def test_parameter_groups_cover_every_parameter():
     model = LoopedTransformer(ModelConfig(**SMALL))
     assert sum(model.parameter_groups().values()) == sum(p.numel() for p in model.parameters())
+
+
+def test_rotary_is_the_pairwise_rotation_to_the_bit():
+    from trainer.model import Rotary
+
+    rotary = Rotary(head_dim=8, max_seq_len=12)
+    x = torch.randn(2, 3, 12, 8, requires_grad=True)
+    angles = torch.outer(torch.arange(12.0), 10000.0 ** (-torch.arange(0, 8, 2.0) / 8))
+    cos, sin = angles.cos(), angles.sin()
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    reference = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    assert torch.equal(rotary(x), reference)
+    grad = torch.randn_like(reference)
+    (expected,) = torch.autograd.grad(reference, x, grad)
+    (got,) = torch.autograd.grad(rotary(x), x, grad)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+def test_attention_runs_in_fp32_under_cpu_bf16_autocast(monkeypatch):
+    import torch.nn.functional as F
+
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    model = LoopedTransformer(ModelConfig(vocab_size=32, max_seq_len=8, d_model=16, n_heads=2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randint(0, 32, (2, 8)), depth=2)
+    assert len(seen) == 1 + 2 * 2 + 1  # prelude, core x depth, coda: every one of them in fp32
+    assert set(seen) == {(torch.float32,) * 3}

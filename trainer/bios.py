@@ -230,20 +230,24 @@ class BiosSource:
     # --- TokenSource --------------------------------------------------------------------------
 
     def _packed(self, rng: np.random.Generator, rows: int, keep: slice, seq_len: int,
-                layouts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[torch.Tensor, torch.Tensor]:
+                layouts: list[tuple[np.ndarray, np.ndarray]], *,
+                with_owners: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows of random bios (random person and template) packed back to back, cut to
         seq_len + 1 tokens; draws for all `rows`, renders rows[keep]. Returns the tokens
-        and, aligned with them, the attribute each value token belongs to (-1 elsewhere)."""
+        and, when asked, aligned with them the attribute each value token belongs to (-1
+        elsewhere)."""
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         per_row = -(-(seq_len + 1) // self.spec.bio_length)
         persons = rng.integers(0, self.people, size=(rows, per_row))[keep]
         templates = rng.integers(0, self.spec.templates, size=(rows, per_row))[keep]
         bios = self._render(persons.ravel(), templates.ravel(), layouts)  # [kept * per_row, bio_length]
-        owners = np.stack([layout[1] for layout in layouts])[templates.ravel()]  # [kept * per_row, bio_length]
         cut = slice(0, seq_len + 1)
-        return (torch.from_numpy(bios.reshape(len(persons), -1)[:, cut]),
-                torch.from_numpy(owners.reshape(len(persons), -1)[:, cut]))
+        tokens = torch.from_numpy(bios.reshape(len(persons), -1)[:, cut])
+        if not with_owners:
+            return tokens, None
+        owners = np.stack([layout[1] for layout in layouts])[templates.ravel()]  # [kept * per_row, bio_length]
+        return tokens, torch.from_numpy(owners.reshape(len(persons), -1)[:, cut])
 
     def batch(self, seed: int, step: int, batch_size: int, seq_len: int, *,
               rank: int = 0, world_size: int = 1) -> torch.Tensor:
@@ -269,7 +273,7 @@ class BiosSource:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         rng = np.random.Generator(np.random.PCG64([self.seed, _EVAL_STREAM, _BIOS_SALT]))
-        tokens, owners = self._packed(rng, n, slice(None), seq_len, self._evaluation)
+        tokens, owners = self._packed(rng, n, slice(None), seq_len, self._evaluation, with_owners=True)
         return tokens, owners[:, 1:] >= 0
 
     # --- recall -------------------------------------------------------------------------------

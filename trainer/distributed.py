@@ -47,7 +47,8 @@ def native_bf16(device: torch.device) -> bool:
     AVX512-BF16 or AMX); elsewhere bf16 autocast is emulated and slower than fp32."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    # Not mkldnn's bf16 check: it only asks for AVX-512 and so says yes on CPUs that emulate bf16.
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def init_world(device_choice: str) -> World:

@@ -159,12 +159,13 @@ class Attention(nn.Module):
         qkv = self.qkv(x).view(B, T, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)  # [3, B, H, T, Dh]
         q, k = rotary(qkv[:2])  # [B, H, T, Dh] each
         v = qkv[2]
-        if x.device.type == "cpu" and x.dtype != torch.float32:
+        if v.device.type == "cpu" and v.dtype != torch.float32:
             # torch's CPU flash attention is about 4x slower backward in bf16 than in fp32
             # (measured on the tiny config), so under bf16 autocast on the CPU the attention
-            # itself runs in fp32; on CUDA the bf16 kernels are the fast ones.
+            # itself runs in fp32; on CUDA the bf16 kernels are the fast ones. The test is on
+            # v, not x: autocast makes qkv bf16 whatever the residual stream's dtype.
             with torch.autocast("cpu", enabled=False):
-                y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True).to(x.dtype)
+                y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True).to(v.dtype)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(B, T, d))
