@@ -17,10 +17,8 @@ from collections.abc import Sequence
 
 from analysis.stats import Interval, IntervalOptions, depth_averaged_benefit, interval_coverage
 from analysis.store import combine_seeds, open_results
-from trainer.errors import InputError
-
-ISOLATE_CHOICES = ("counterfactual", "linear", "none")
-RMS_MATCH_CHOICES = ("reference", "geomean", "per-tensor", "none")
+from common.choices import ISOLATE_CHOICES, RMS_MATCH_CHOICES
+from common.errors import InputError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -159,8 +159,7 @@ def depth_averaged_benefit(
     depth is left out), then the interval is over batches, or over per-seed means
     when `ds` has `seed_dim`. Returns mean/lower/upper/n over `snapshot`.
     """
-    per_batch = ds["benefit"].mean("serving_depth", skipna=False)
-    units, unit_dim = replication_units(per_batch, seed_dim=seed_dim)
+    units, unit_dim = replication_units(_depth_averaged_per_batch(ds), seed_dim=seed_dim)
     intervals = interval_over(units, unit_dim, options=options)
     return _describe(intervals, ds, unit_dim, options)
 
@@ -383,11 +382,13 @@ def decay_point(uniform_updates, values, *, fraction: float = 0.05) -> int | Non
 
 @dataclasses.dataclass(frozen=True)
 class SeedDecay:
-    """One seed's decay point (None: not within the grid, or no positive switch benefit)."""
+    """One seed's decay point (None: not within the grid, or no positive switch benefit); the
+    crossing itself lies in (`after`, `uniform_updates`], between two grid counts."""
 
     seed: int
     switch_value: float
     uniform_updates: int | None
+    after: int | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,10 +397,11 @@ class FinishingPhase:
 
     `decay_updates` is where the seed-mean depth-averaged benefit falls below
     `fraction` of its switch value for good (the true crossing lies after
-    `decay_after`, the previous grid count); `per_seed` repeats that per seed, with
-    `per_seed_interval` over the seeds' crossings when every seed crosses within
-    the grid (a seed that does not cross would bias any interval low). The headline
-    interval of `first_zero_overlap` is the first that contains zero.
+    `decay_after`, the previous grid count); `per_seed` repeats that per seed. The
+    crossings are grid brackets, censored at the grid's end, so no t-interval is formed
+    over them: their range is the spread. `first_zero_overlap` is the first snapshot
+    after the switch whose headline interval contains zero (None: none within the grid,
+    or no interval could be formed, `intervals_formed` False, with fewer than two units).
     """
 
     fraction: float
@@ -408,9 +410,9 @@ class FinishingPhase:
     decay_updates: int | None
     decay_after: int | None
     per_seed: tuple[SeedDecay, ...]
-    per_seed_interval: Interval | None
     first_zero_overlap: int | None
     zero_overlap: Interval | None
+    intervals_formed: bool
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -442,34 +444,37 @@ def finishing_phase(
     counts = [int(u) for u in intervals["uniform_updates"].values]
     decay = decay_point(counts, intervals["mean"].values, fraction=fraction)
     per_seed: tuple[SeedDecay, ...] = ()
-    per_seed_interval = None
     if seed_dim in ds.dims:
-        seed_means = _depth_averaged_per_batch(ds).mean("batch", skipna=True).sortby("uniform_updates")
+        seed_means, _ = replication_units(_depth_averaged_per_batch(ds), seed_dim=seed_dim)
+        seed_means = seed_means.sortby("uniform_updates")
+        crossings = {int(seed): decay_point(counts, seed_means.sel({seed_dim: seed}).values, fraction=fraction)
+                     for seed in seed_means[seed_dim].values}
         per_seed = tuple(
-            SeedDecay(
-                seed=int(seed),
-                switch_value=float(seed_means.sel({seed_dim: seed}).values[0]),
-                uniform_updates=decay_point(counts, seed_means.sel({seed_dim: seed}).values, fraction=fraction),
-            )
-            for seed in seed_means[seed_dim].values
+            SeedDecay(seed=seed, switch_value=float(seed_means.sel({seed_dim: seed}).values[0]),
+                      uniform_updates=crossing, after=_grid_before(counts, crossing))
+            for seed, crossing in crossings.items()
         )
-        crossings = [decay.uniform_updates for decay in per_seed]
-        if all(crossing is not None for crossing in crossings):
-            per_seed_interval = Interval(*t_interval(np.array(crossings, dtype=np.float64), options.level), "seed")
-    zero_index = next(
-        (index for index in range(len(counts)) if _interval_at(intervals, index).contains_zero()), None
-    )
+    # From the first snapshot after the switch: the switch's own interval says nothing about decay.
+    after_switch = [_interval_at(intervals, index) for index in range(1, len(counts))]
+    formed = any(np.isfinite(interval.lower) for interval in after_switch)
+    zero_index = next((index for index, interval in enumerate(after_switch, start=1) if interval.contains_zero()),
+                      None)
     return FinishingPhase(
         fraction=fraction,
         max_uniform_updates=counts[-1],
         switch=_interval_at(intervals, 0),
         decay_updates=decay,
-        decay_after=counts[counts.index(decay) - 1] if decay is not None else None,
+        decay_after=_grid_before(counts, decay),
         per_seed=per_seed,
-        per_seed_interval=per_seed_interval,
         first_zero_overlap=counts[zero_index] if zero_index is not None else None,
         zero_overlap=_interval_at(intervals, zero_index) if zero_index is not None else None,
+        intervals_formed=formed,
     )
+
+
+def _grid_before(counts: list[int], count: int | None) -> int | None:
+    """The grid count before `count` (None for None)."""
+    return counts[counts.index(count) - 1] if count is not None else None
 
 
 def format_finishing_phase(phase: FinishingPhase, *, level: float = 0.95) -> str:
@@ -492,18 +497,13 @@ def format_finishing_phase(phase: FinishingPhase, *, level: float = 0.95) -> str
         )
         found = [decay.uniform_updates for decay in phase.per_seed if decay.uniform_updates is not None]
         spread = f"; range {min(found)}-{max(found)}" if found else ""
-        if phase.per_seed_interval is not None:
-            interval = phase.per_seed_interval
-            spread += (
-                f"; mean {interval.mean:.1f}, {level:.0%} CI over {interval.n} seeds "
-                f"[{interval.lower:.1f}, {interval.upper:.1f}]"
-            )
-        lines.append(f"  per seed: {crossings}{spread}")
-    zero = (
-        f"{phase.first_zero_overlap} uniform updates, benefit {phase.zero_overlap.describe()}"
-        if phase.zero_overlap is not None
-        else within
-    )
+        lines.append(f"  per seed: {crossings}{spread} (each crossing lies between its grid count and the one before)")
+    if phase.zero_overlap is not None:
+        zero = f"{phase.first_zero_overlap} uniform updates, benefit {phase.zero_overlap.describe()}"
+    elif not phase.intervals_formed:
+        zero = "n/a (no interval could be formed: fewer than two units)"
+    else:
+        zero = within
     lines.append(f"finishing phase: first snapshot whose {level:.0%} CI contains zero: {zero}")
     return "\n".join(lines)
 

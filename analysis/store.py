@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import xarray as xr
 
-from trainer.errors import InputError
+from common.errors import InputError
 
 ENGINE = "h5netcdf"
 COMPRESSION = {"zlib": True, "complevel": 4, "shuffle": True}
@@ -221,8 +221,9 @@ def _config_without_seed(ds: xr.Dataset):
 
 
 def batches_per_snapshot(ds: xr.Dataset) -> list[int]:
-    """How many batches of each snapshot hold a benefit (NaN padding and unfinished batches do not count)."""
-    finished = ds["benefit"].notnull().any("serving_depth")
+    """How many batches of each snapshot hold a benefit at every serving depth, the batches the
+    statistics count (NaN padding and unfinished batches do not)."""
+    finished = ds["benefit"].notnull().all("serving_depth")
     return [int(count) for count in finished.sum("batch").values]
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import click
 
-from trainer.errors import InputError
+from common.choices import EVAL_SET_CHOICES, ISOLATE_CHOICES, RMS_MATCH_CHOICES
+from common.errors import InputError
 
 
 class Context:
@@ -188,15 +189,15 @@ def eval_checkpoint(checkpoint: Path, serving: str, out: Path | None, device: st
               help="Serving depths: a range (1-64), a list (1,2,4,8) or both (1-4,8,16).")
 @click.option("--batches", type=click.IntRange(min=1), default=None,
               help="Batches per snapshot [default: all a snapshot carries; checkpoints: train.snapshot_batches].")
-@click.option("--isolate", type=click.Choice(["counterfactual", "none", "linear"]), default="counterfactual",
+@click.option("--isolate", type=click.Choice(ISOLATE_CHOICES), default="counterfactual",
               show_default=True, help="counterfactual: Delta(g) - Delta(0); none: Delta(g); linear: first-order term.")
-@click.option("--rms-match", type=click.Choice(["reference", "geomean", "none", "per-tensor"]), default="reference",
+@click.option("--rms-match", type=click.Choice(RMS_MATCH_CHOICES), default="reference",
               show_default=True, help="Scale the updates to a common RMS (reference: the first depth's).")
 @click.option("--lr", type=float, default=None, help="Learning rate of the step [default: the snapshot's next LR].")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--eval-batch-size", type=click.IntRange(min=1), default=32, show_default=True,
               help="Evaluation sequences per forward pass.")
-@click.option("--eval-set", type=click.Choice(["auto", "snapshot", "attributes"]), default="auto", show_default=True,
+@click.option("--eval-set", type=click.Choice(EVAL_SET_CHOICES), default="auto", show_default=True,
               help="snapshot: the evaluation set the snapshot carries; attributes (bioS): the evaluation "
                    "presentations, NLL over the attribute-value tokens only; auto: attributes for bioS runs, "
                    "snapshot otherwise.")

@@ -31,14 +31,12 @@ import torch.nn.functional as F
 import xarray as xr
 from torch import Tensor
 
+from common.choices import ISOLATE_CHOICES, PRECISION_CHOICES, RMS_MATCH_CHOICES
 from diag.optim_step import OptimizerStep, optimizer_step
 
 IGNORE_INDEX = -1
 """Target value skipped by the training loss and the evaluation (as trainer.model.IGNORE_INDEX)."""
 
-ISOLATE_CHOICES = ("counterfactual", "none", "linear")
-RMS_MATCH_CHOICES = ("reference", "geomean", "none", "per-tensor")
-PRECISION_CHOICES = ("fp32", "bf16")
 
 
 def _depth_tuple(values: Iterable[int], name: str) -> tuple[int, ...]:

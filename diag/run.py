@@ -28,15 +28,16 @@ import torch
 import xarray as xr
 
 from analysis.store import atomic_output, write_dataset
+from common.choices import EVAL_SET_CHOICES
+from common.errors import InputError
 from common.progress import progress_bar
 from diag.engine import DiagnosticOptions, UpdateDiagnostic
 from trainer.checkpoint import Snapshot, load_snapshot
 from trainer.data import build_source
 from trainer.distributed import resolve_device
-from trainer.errors import InputError
 
 MANIFEST = "manifest.json"
-EVAL_SETS = ("auto", "snapshot", "attributes")
+
 PER_UNIT = ("nll", "benefit", "benefit_all", "update_rms", "rms_scale", "update_cosine", "train_loss")
 """Variables with a value per (snapshot, batch) unit; nll_before is per snapshot."""
 
@@ -103,8 +104,8 @@ class DiagnoseConfig:
             raise ValueError(f"--batches must be >= 1, got {self.batches}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if self.eval_set not in EVAL_SETS:
-            raise ValueError(f"eval set must be one of {EVAL_SETS}, got {self.eval_set!r}")
+        if self.eval_set not in EVAL_SET_CHOICES:
+            raise ValueError(f"eval set must be one of {EVAL_SET_CHOICES}, got {self.eval_set!r}")
         if self.resume and self.force:
             raise ValueError("--resume and --force contradict each other: pick one")
         # Validates depths, isolate, rms_match, lr and eval_batch_size with the engine's own rules.
@@ -259,7 +260,7 @@ def _run_units(config: DiagnoseConfig, entries: list[_Entry], parts: Path, devic
     todo = {e.name: [i for i in range(e.batches) if not _part_path(parts, e, i).exists()] for e in entries}
     total = sum(e.batches for e in entries)
     done = total - sum(len(v) for v in todo.values())
-    with progress_bar(total, f"diagnose {parts.parent / parts.stem}", "unit", initial=done,
+    with progress_bar(total, f"diagnose {config.out}", "unit", initial=done,
                       enabled=config.progress) as bar:
         for entry in entries:
             if not todo[entry.name]:

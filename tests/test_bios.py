@@ -230,7 +230,8 @@ def test_attribute_eval_counts_exactly_the_attribute_values_of_evaluation_bios(s
     tokens, mask = source.attribute_eval(6, 64)
     assert tokens.shape == (6, 65) and mask.shape == (6, 64) and mask.dtype == torch.bool
     # The same people and packing as eval_tokens, in the evaluation orders.
-    assert torch.equal(tokens[:, 0], source.eval_tokens(6, 64)[:, 0])
+    names = slice(1, 1 + spec.name_length)  # the first bio's name: same person in both sets
+    assert torch.equal(tokens[:, names], source.eval_tokens(6, 64)[:, names])
     for row in tokens.tolist():
         for bio in split_bios(row):
             if len(bio) == spec.bio_length:
@@ -238,13 +239,13 @@ def test_attribute_eval_counts_exactly_the_attribute_values_of_evaluation_bios(s
                 assert order == spec.evaluation_orders[wording]
     # Each complete bio against its hand-built version, [SEP] name (relation value) x 6 in the
     # evaluation order of its wording: the counted targets are exactly its value tokens.
-    names = {tuple(name): person for person, name in enumerate(source.names.tolist())}
+    people = {tuple(name): person for person, name in enumerate(source.names.tolist())}
     checked = 0
     for r, row in enumerate(tokens.tolist()):
         start = 0
         for bio in split_bios(row):
             if len(bio) == spec.bio_length:
-                person = names[tuple(bio[1:1 + spec.name_length])]
+                person = people[tuple(bio[names])]
                 _, (template,) = fact_order(source, bio)
                 expected = expected_bio(source, person, template, spec.evaluation_orders[template])
                 assert bio == expected

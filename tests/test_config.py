@@ -1,7 +1,7 @@
 import pytest
 
+from common.errors import InputError
 from trainer.config import RunConfig, load_config
-from trainer.errors import InputError
 
 
 def test_tiny_config_round_trips_through_json():

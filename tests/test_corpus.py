@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from common.errors import InputError
 from trainer import corpus
 from trainer.config import load_config
 from trainer.data import TEXT_HELD_OUT_FRACTION, open_text_source
-from trainer.errors import InputError
 
 ROOT = Path(__file__).resolve().parents[1]
 MEMBER = "fake-1.0/bible/data/kjv.jsonl"

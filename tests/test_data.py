@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
+from common.errors import InputError
 from trainer.config import DataConfig
 from trainer.data import TokenSource, build_source
-from trainer.errors import InputError
 
 
 def write_bins(directory, train, val, dtype="uint16", meta=None):

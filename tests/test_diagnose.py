@@ -17,12 +17,12 @@ from click.testing import CliRunner
 
 import diag
 from analysis.store import open_results
+from common.errors import InputError
 from diag.cli import main
 from diag.run import DiagnoseConfig, diagnose, parse_update_depths
 from trainer.checkpoint import build_optimizer, load_snapshot, save_checkpoint, save_snapshot
 from trainer.config import DataConfig, OptimConfig, RunConfig, TrainConfig
 from trainer.data import build_source
-from trainer.errors import InputError
 from trainer.model import LoopedTransformer, ModelConfig
 
 SEQ, BATCH, CARRIED = 12, 4, 6

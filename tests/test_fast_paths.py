@@ -40,7 +40,8 @@ def test_fast_path_follows_the_plain_loss_trajectory(plain, tmp_path, setting):
     assert fast.shape == reference.shape
     relative = np.abs(fast - reference) / reference
     assert relative.max() < LOSS_TOLERANCE, relative.max()
-    assert not np.array_equal(fast, reference) or setting.get("compile")  # bf16 is really in use
+    if setting.get("precision") == "bf16":
+        assert not np.array_equal(fast, reference)  # bf16 is really in use
     state = load_snapshot(latest_checkpoint(tmp_path / "run"))
     assert {t.dtype for t in state.model_state.values()} == {torch.float32}
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from trainer.errors import InputError
+from common.errors import InputError
 from trainer.schedules import parse_schedule
 
 ALPHA = 1e-3  # goodness-of-fit tests use fixed seeds, so a pass is reproducible

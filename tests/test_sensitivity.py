@@ -10,8 +10,8 @@ from click.testing import CliRunner
 
 from analysis.sensitivity import format_sensitivity_markdown, sensitivity_table
 from analysis.store import VARIABLE_DIMS, write_dataset
+from common.errors import InputError
 from diag.cli import main
-from trainer.errors import InputError
 
 GRID = (0, 16, 64)
 

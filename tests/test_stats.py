@@ -282,10 +282,8 @@ def test_finishing_phase_by_hand():
     # Seed-mean curve: 1, 0.34, 0.17, 0.01 -> below 0.05 from 16 on (the crossing lies in (8, 16]).
     assert (phase.decay_updates, phase.decay_after, phase.max_uniform_updates) == (16, 8, 16)
     assert [decay.uniform_updates for decay in phase.per_seed] == [8, 4, 16]
+    assert [decay.after for decay in phase.per_seed] == [4, 0, 8]  # the crossing lies in (after, count]
     assert phase.switch.mean == pytest.approx(1.0) and phase.switch.unit == "seed"
-    crossings = phase.per_seed_interval
-    assert crossings.mean == pytest.approx(28 / 3) and crossings.n == 3
-    assert (crossings.lower, crossings.upper) == pytest.approx(scipy_t([8, 4, 16]))
     # After 4 updates the seeds are at 0.5, 0.01, 0.5: an interval over seeds that reaches below zero.
     assert phase.first_zero_overlap == 4
     assert (phase.zero_overlap.lower, phase.zero_overlap.upper) == pytest.approx(scipy_t([0.5, 0.01, 0.5]))
@@ -303,9 +301,22 @@ def test_no_interval_containing_zero_within_the_grid():
 def test_finishing_phase_with_a_seed_that_never_crosses():
     phase = finishing_phase(seed_curves([[1, 0.5, 0.01, 0.01], [1, 0.5, 0.3, 0.2], [1, 0.01, 0.01, 0.01]]))
     assert [decay.uniform_updates for decay in phase.per_seed] == [8, None, 4]
-    assert phase.per_seed_interval is None  # a censored seed would bias any interval low
+    assert phase.per_seed[1].after is None
     assert phase.decay_updates is None
     assert "seed 1: none within 16" in format_finishing_phase(phase)
+
+
+def test_the_switch_itself_is_never_the_first_interval_containing_zero():
+    # A switch benefit indistinguishable from zero says nothing about how fast it decays.
+    phase = finishing_phase(seed_curves([[1, 0.3, 0.2, 0.1], [-1, 0.35, 0.25, 0.12], [0.5, 0.32, 0.22, 0.11]]))
+    assert phase.switch.contains_zero()
+    assert phase.first_zero_overlap is None and phase.intervals_formed
+
+
+def test_one_seed_forms_no_interval_and_says_so():
+    phase = finishing_phase(seed_curves([[1, 0.5, 0.01, 0.01]]))
+    assert not phase.intervals_formed and phase.first_zero_overlap is None
+    assert "no interval could be formed" in format_finishing_phase(phase)
 
 
 def test_first_snapshot_whose_seed_interval_contains_zero():

@@ -13,7 +13,7 @@ import pytest
 import xarray as xr
 
 from analysis.store import VARIABLE_DIMS, open_results, validate_results, write_dataset
-from trainer.errors import InputError
+from common.errors import InputError
 
 UNIFORM_UPDATES = (0, 16, 64, 256)
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from common.errors import InputError
 from trainer.checkpoint import load_snapshot
 from trainer.config import OptimConfig, RunConfig
-from trainer.errors import InputError
 from trainer.flops import update_flops
 from trainer.schedules import parse_schedule
 from trainer.train import clip_gradients, latest_checkpoint, lr_at, train

@@ -24,8 +24,8 @@ from typing import IO, Any, Iterator
 import numpy as np
 import torch
 
+from common.errors import InputError
 from trainer.config import OptimConfig, RunConfig
-from trainer.errors import InputError
 from trainer.model import LoopedTransformer
 
 FORMAT_VERSION = 1

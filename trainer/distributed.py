@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from trainer.errors import InputError
+from common.errors import InputError
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ import numpy as np
 import torch
 import xarray as xr
 
+from common.errors import InputError
 from common.progress import track
 from trainer.checkpoint import load_snapshot
 from trainer.distributed import resolve_device
-from trainer.errors import InputError
 from trainer.model import IGNORE_INDEX
 
 MAX_SERVING_DEPTH = 64

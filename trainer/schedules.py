@@ -40,7 +40,7 @@ from functools import lru_cache
 import numpy as np
 from scipy import stats
 
-from trainer.errors import InputError
+from common.errors import InputError
 
 DEPTH_SALT = 0x5EED_DE97
 """Third entry of every depth generator's seed: keeps depth draws independent of any

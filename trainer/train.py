@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from common.errors import InputError
 from common.progress import progress_bar
 from trainer.checkpoint import (atomic_write_text, build_optimizer, load_snapshot, save_checkpoint,
                                 save_snapshot, set_rng_state)
@@ -38,7 +39,6 @@ from trainer.config import OptimConfig, RunConfig
 from trainer.data import build_source
 from trainer.distributed import (World, all_gather_ints, all_reduce_int, all_reduce_sum, barrier, init_world,
                                  native_bf16, shutdown_world)
-from trainer.errors import InputError
 from trainer.flops import update_flops
 from trainer.model import IGNORE_INDEX, LoopedTransformer
 from trainer.schedules import parse_schedule

@@ -1,0 +1,11 @@
+"""Option choices shared by the engine, the command line and the analysis (no torch here,
+so `depthdiag --help` can list them without importing it)."""
+
+ISOLATE_CHOICES = ("counterfactual", "linear", "none")
+"""How the diagnostic isolates the batch's effect: Delta(g) - Delta(0), the first-order term, or Delta(g)."""
+RMS_MATCH_CHOICES = ("reference", "geomean", "per-tensor", "none")
+"""How the compared updates are scaled to a common RMS."""
+PRECISION_CHOICES = ("fp32", "bf16")
+"""Training precision: fp32, or bf16 autocast."""
+EVAL_SET_CHOICES = ("auto", "snapshot", "attributes")
+"""The evaluation set `depthdiag diagnose` scores (see diag/run.py)."""
