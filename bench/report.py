@@ -40,7 +40,10 @@ def render(results: dict) -> str:
     throughput = diag["throughput"]
     lines += ["", f"Diagnose: {throughput['units_per_minute']['default']:.1f} units/min by default against "
               f"{throughput['units_per_minute']['first version']:.1f} for the first version's path "
-              f"({throughput['first_version_options']}). Evaluating two updated parameter sets:", "",
+              f"({throughput['first_version_options']['precision']} gradient passes, "
+              f"{throughput['first_version_options']['eval_batch_size']} rows per evaluation chunk; the default: "
+              f"{throughput['default_options']['precision']}, {throughput['default_options']['eval_batch_size']}). "
+              "Evaluating two updated parameter sets:", "",
               "| evaluation | seconds | largest NLL difference from one at a time, 32 rows |", "|---|---|---|"]
     for name, row in diag["evaluation"].items():
         lines.append(f"| {name} | {row['seconds']:.2f} | {row['max_nll_difference']:.1e} |")
