@@ -130,9 +130,10 @@ class Interrupt:
         return self.real(*args, **kwargs)
 
 
-def test_interrupt_then_resume_is_bit_exact(tmp_path, monkeypatch):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_interrupt_then_resume_is_bit_exact(tmp_path, monkeypatch, precision):
     corpus = text_corpus(tmp_path)
-    config = tiny_config(corpus)  # 12 updates, checkpoints every 4
+    config = tiny_config(corpus, precision=precision)  # 12 updates, checkpoints every 4
     straight = tmp_path / "straight"
     train(config, straight, progress=False)
 
