@@ -33,7 +33,6 @@ import fcntl
 import hashlib
 import json
 import os
-import re
 import subprocess
 import sys
 import tarfile
