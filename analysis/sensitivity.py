@@ -15,7 +15,8 @@ import math
 import os
 from collections.abc import Sequence
 
-from analysis.stats import Interval, IntervalOptions, depth_averaged_benefit, interval_coverage
+from analysis.stats import (Interval, IntervalOptions, depth_averaged_benefit, interval_at, interval_coverage,
+                            plural)
 from analysis.store import combine_seeds, open_results
 from common.choices import ISOLATE_CHOICES, RMS_MATCH_CHOICES
 from common.errors import InputError
@@ -64,9 +65,7 @@ def _interval_after(intervals, updates: int, source) -> Interval:
     counts = [int(u) for u in intervals["uniform_updates"].values]
     if updates not in counts:
         raise InputError(f"{source}: no snapshot after {updates} uniform updates (the grid is {counts})")
-    row = intervals.isel(snapshot=counts.index(updates))
-    return Interval(float(row["mean"]), float(row["lower"]), float(row["upper"]), int(row["n"]),
-                    intervals.attrs["unit"])
+    return interval_at(intervals, counts.index(updates))
 
 
 def sensitivity_table(
@@ -125,8 +124,7 @@ def format_sensitivity_markdown(table: SensitivityTable) -> str:
     )
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for row in table.rows:
-        unit = row.at_switch.unit
-        count = f"{row.at_switch.n} {unit}{'es' if unit == 'batch' else 's'}"
+        count = f"{row.at_switch.n} {plural(row.at_switch.unit)}"
         ratio = f"{row.ratio:.2f}" if math.isfinite(row.ratio) else "n/a"
         cells = (row.isolate, row.rms_match, count, _cell(row.at_switch), _cell(row.after), ratio)
         lines.append("| " + " | ".join(cells) + " |")

@@ -278,7 +278,8 @@ def summary_table(
     return rows
 
 
-def _plural(unit: str, n: int | None = None) -> str:
+def plural(unit: str, n: int | None = None) -> str:
+    """'batch' -> 'batches', 'seed' -> 'seeds' (singular for n == 1)."""
     if n == 1:
         return unit
     return f"{unit}{'es' if unit == 'batch' else 's'}"
@@ -294,7 +295,7 @@ def describe_intervals(rows: list[dict], *, level: float = 0.95, method: Method 
     counts = sorted({row["n"] for row in rows})
     n = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     name = "BCa bootstrap" if method == "bca" else "Student-t"
-    headline = f"headline: {level:.0%} {name} CI {interval_coverage(unit)}, n = {n} {_plural(unit)}"
+    headline = f"headline: {level:.0%} {name} CI {interval_coverage(unit)}, n = {n} {plural(unit)}"
     if unit == "batch":
         return headline + "; diagnose several seeds for the interval a replication would fall in"
     return (
@@ -320,7 +321,7 @@ def format_summary_table(rows: list[dict], *, level: float = 0.95) -> str:
             str(row["step"]),
             f"{row['mean']:+.4f}",
             _bounds(row["lower"], row["upper"]),
-            f"{row['n']} {_plural(row['unit'], row['n'])}",
+            f"{row['n']} {plural(row['unit'], row['n'])}",
             "yes" if row["excludes_zero"] else "no",
         )
         if seeded:
@@ -353,7 +354,7 @@ class Interval:
         return bool(self.lower <= 0 <= self.upper)
 
     def describe(self) -> str:
-        return f"{self.mean:+.4f} {_bounds(self.lower, self.upper)} over {self.n} {_plural(self.unit, self.n)}"
+        return f"{self.mean:+.4f} {_bounds(self.lower, self.upper)} over {self.n} {plural(self.unit, self.n)}"
 
 
 def decay_point(uniform_updates, values, *, fraction: float = 0.05) -> int | None:
@@ -418,7 +419,8 @@ class FinishingPhase:
         return dataclasses.asdict(self)
 
 
-def _interval_at(intervals: xr.Dataset, index: int) -> Interval:
+def interval_at(intervals: xr.Dataset, index: int) -> Interval:
+    """The Interval of row `index` along `snapshot` of `depth_averaged_benefit` output."""
     row = intervals.isel(snapshot=index)
     return Interval(
         mean=float(row["mean"]),
@@ -455,19 +457,19 @@ def finishing_phase(
             for seed, crossing in crossings.items()
         )
     # From the first snapshot after the switch: the switch's own interval says nothing about decay.
-    after_switch = [_interval_at(intervals, index) for index in range(1, len(counts))]
+    after_switch = [interval_at(intervals, index) for index in range(1, len(counts))]
     formed = any(np.isfinite(interval.lower) for interval in after_switch)
     zero_index = next((index for index, interval in enumerate(after_switch, start=1) if interval.contains_zero()),
                       None)
     return FinishingPhase(
         fraction=fraction,
         max_uniform_updates=counts[-1],
-        switch=_interval_at(intervals, 0),
+        switch=interval_at(intervals, 0),
         decay_updates=decay,
         decay_after=_grid_before(counts, decay),
         per_seed=per_seed,
         first_zero_overlap=counts[zero_index] if zero_index is not None else None,
-        zero_overlap=_interval_at(intervals, zero_index) if zero_index is not None else None,
+        zero_overlap=interval_at(intervals, zero_index) if zero_index is not None else None,
         intervals_formed=formed,
     )
 

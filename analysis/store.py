@@ -231,7 +231,7 @@ def _check_same_experiment(first: xr.Dataset, first_path, other: xr.Dataset, oth
     """Files combined as seeds must differ in the seed only, so that the spread over them is seed noise.
 
     Compared: depths and the uniform-update grid, batches per snapshot, the diagnostic
-    settings (isolate, rms_match, LR override) and the run config without train.seed.
+    settings (DIAGNOSTIC_SETTINGS) and the run config without train.seed.
     Provenance (creation time, versions, snapshot hashes) may differ.
     """
     if seed_dim in other.dims:
@@ -244,12 +244,9 @@ def _check_same_experiment(first: xr.Dataset, first_path, other: xr.Dataset, oth
                 f"coordinate {coord!r} {other[coord].values.tolist()} differs from "
                 f"{first_path}'s {first[coord].values.tolist()}{refuse}",
             )
-    if batches_per_snapshot(first) != batches_per_snapshot(other):
-        raise _fail(
-            other_path,
-            f"batches per snapshot {batches_per_snapshot(other)} differ from "
-            f"{first_path}'s {batches_per_snapshot(first)}{refuse}",
-        )
+    first_batches, other_batches = batches_per_snapshot(first), batches_per_snapshot(other)
+    if first_batches != other_batches:
+        raise _fail(other_path, f"batches per snapshot {other_batches} differ from {first_path}'s {first_batches}{refuse}")
     for key in DIAGNOSTIC_SETTINGS:
         if first.attrs.get(key) != other.attrs.get(key):
             raise _fail(

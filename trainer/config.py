@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from common.choices import PRECISION_CHOICES
 from common.errors import InputError
 from trainer.model import ModelConfig
 from trainer.schedules import parse_schedule
@@ -125,7 +126,7 @@ class TrainConfig:
             raise ValueError(f"train.seed must be >= 0 (numpy seeds are non-negative), got {self.seed}")
         if self.checkpoint_every < 0 or any(n < 0 for n in self.snapshot_uniform_updates):
             raise ValueError("train.checkpoint_every and train.snapshot_uniform_updates must be >= 0")
-        if self.precision not in ("fp32", "bf16"):
+        if self.precision not in PRECISION_CHOICES:
             raise ValueError(f"train.precision must be 'fp32' or 'bf16', got {self.precision!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"train.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
