@@ -42,7 +42,7 @@ TRAINER_SOURCES := $(filter-out trainer/corpus.py,$(wildcard trainer/*.py)) $(wi
 DIAG_SOURCES := $(wildcard diag/*.py)
 ANALYSIS_SOURCES := $(wildcard analysis/*.py)
 
-.PHONY: setup figure4 figure4-files summary reference sensitivity test test-slow bench flops clean corpus
+.PHONY: setup figure4 figure4-files summary reference sensitivity test test-slow bench flops clean corpus lint
 .DELETE_ON_ERROR:
 
 setup: $(VENV)/.installed
@@ -116,6 +116,11 @@ sensitivity: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+# Formatting and lint rules: pyproject.toml [tool.ruff]. `ruff format .` applies the format.
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow

@@ -118,14 +118,26 @@ def _mark_finishing_phase(ax: Axes, phase: FinishingPhase, counts: list[int], me
     """The finishing-phase length on the depth-averaged panel, whose x axis is the snapshot position."""
     below = f"mean < {phase.fraction:.0%} of switch"
     if phase.decay_updates in counts:
-        ax.axvline(counts.index(phase.decay_updates), color="0.4", linestyle=":", linewidth=1.2,
-                   label=f"{below} from {phase.decay_updates} updates on")
+        ax.axvline(
+            counts.index(phase.decay_updates),
+            color="0.4",
+            linestyle=":",
+            linewidth=1.2,
+            label=f"{below} from {phase.decay_updates} updates on",
+        )
     else:
         ax.plot([], [], " ", label=f"{below}: none within {phase.max_uniform_updates}")
     if phase.first_zero_overlap in counts:
         position = counts.index(phase.first_zero_overlap)
-        ax.plot(position, mean[position], "o", markersize=13, markerfacecolor="none", color="0.2",
-                label=f"first CI containing 0: {phase.first_zero_overlap} updates")
+        ax.plot(
+            position,
+            mean[position],
+            "o",
+            markersize=13,
+            markerfacecolor="none",
+            color="0.2",
+            label=f"first CI containing 0: {phase.first_zero_overlap} updates",
+        )
     else:
         ax.plot([], [], " ", label=f"no CI contains 0 within {phase.max_uniform_updates}")
 
@@ -169,8 +181,17 @@ def plot_depth_averaged_benefit(
     )
     if noise is not None and seeded:
         half_width = noise.sel(snapshot=rows["snapshot"].values)["batch_half_width"].values
-        ax.errorbar(positions, mean, yerr=half_width, fmt="none", elinewidth=5, alpha=0.45, color=color,
-                    capsize=0, label="batch noise only (mean within-seed CI)")
+        ax.errorbar(
+            positions,
+            mean,
+            yerr=half_width,
+            fmt="none",
+            elinewidth=5,
+            alpha=0.45,
+            color=color,
+            capsize=0,
+            label="batch noise only (mean within-seed CI)",
+        )
     counts = [int(u) for u in rows["uniform_updates"].values]
     if phase is not None:
         _mark_finishing_phase(ax, phase, counts, mean)

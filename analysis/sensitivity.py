@@ -15,8 +15,7 @@ import math
 import os
 from collections.abc import Sequence
 
-from analysis.stats import (Interval, IntervalOptions, depth_averaged_benefit, interval_at, interval_coverage,
-                            plural)
+from analysis.stats import Interval, IntervalOptions, depth_averaged_benefit, interval_at, interval_coverage, plural
 from analysis.store import combine_seeds, open_results
 from common.choices import ISOLATE_CHOICES, RMS_MATCH_CHOICES
 from common.errors import InputError

@@ -299,8 +299,7 @@ def describe_intervals(rows: list[dict], *, level: float = 0.95, method: Method 
     if unit == "batch":
         return headline + "; diagnose several seeds for the interval a replication would fall in"
     return (
-        headline
-        + f"\nsecondary: within-seed {level:.0%} CI over batches (batch noise only), "
+        headline + f"\nsecondary: within-seed {level:.0%} CI over batches (batch noise only), "
         "shown as its mean half-width over seeds; var(seeds) = variance of the seed means, "
         "var(batches) = mean s^2_batch / n_batch (batch noise in one seed mean)"
     )
@@ -449,18 +448,23 @@ def finishing_phase(
     if seed_dim in ds.dims:
         seed_means, _ = replication_units(_depth_averaged_per_batch(ds), seed_dim=seed_dim)
         seed_means = seed_means.sortby("uniform_updates")
-        crossings = {int(seed): decay_point(counts, seed_means.sel({seed_dim: seed}).values, fraction=fraction)
-                     for seed in seed_means[seed_dim].values}
+        crossings = {
+            int(seed): decay_point(counts, seed_means.sel({seed_dim: seed}).values, fraction=fraction)
+            for seed in seed_means[seed_dim].values
+        }
         per_seed = tuple(
-            SeedDecay(seed=seed, switch_value=float(seed_means.sel({seed_dim: seed}).values[0]),
-                      uniform_updates=crossing, after=_grid_before(counts, crossing))
+            SeedDecay(
+                seed=seed,
+                switch_value=float(seed_means.sel({seed_dim: seed}).values[0]),
+                uniform_updates=crossing,
+                after=_grid_before(counts, crossing),
+            )
             for seed, crossing in crossings.items()
         )
     # From the first snapshot after the switch: the switch's own interval says nothing about decay.
     after_switch = [interval_at(intervals, index) for index in range(1, len(counts))]
     formed = any(np.isfinite(interval.lower) for interval in after_switch)
-    zero_index = next((index for index, interval in enumerate(after_switch, start=1) if interval.contains_zero()),
-                      None)
+    zero_index = next((index for index, interval in enumerate(after_switch, start=1) if interval.contains_zero()), None)
     return FinishingPhase(
         fraction=fraction,
         max_uniform_updates=counts[-1],

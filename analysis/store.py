@@ -246,7 +246,9 @@ def _check_same_experiment(first: xr.Dataset, first_path, other: xr.Dataset, oth
             )
     first_batches, other_batches = batches_per_snapshot(first), batches_per_snapshot(other)
     if first_batches != other_batches:
-        raise _fail(other_path, f"batches per snapshot {other_batches} differ from {first_path}'s {first_batches}{refuse}")
+        raise _fail(
+            other_path, f"batches per snapshot {other_batches} differ from {first_path}'s {first_batches}{refuse}"
+        )
     for key in DIAGNOSTIC_SETTINGS:
         if first.attrs.get(key) != other.attrs.get(key):
             raise _fail(
@@ -308,8 +310,7 @@ def combine_seeds(datasets, sources, *, seed_dim: str = "seed") -> xr.Dataset:
     # Snapshot labels and step counts may differ between seeds (run directories,
     # step offsets); the uniform-update count, checked equal above, is what matches them.
     relabelled = [
-        ds.assign_coords(snapshot=first["snapshot"].values, step=("snapshot", first["step"].values))
-        for ds in datasets
+        ds.assign_coords(snapshot=first["snapshot"].values, step=("snapshot", first["step"].values)) for ds in datasets
     ]
     per_seed_coords = [name for name in ("lr",) if all(name in ds.coords for ds in relabelled)]
     combined = xr.concat(

@@ -73,16 +73,19 @@ def throughput(config: RunConfig, repeats: int) -> dict:
     model, optimizer, batch, eval_tokens = snapshot_like(config)
     common = dict(update_depths=UPDATE_DEPTHS, serving_depths=SERVING, grad_clip=config.optim.grad_clip or None)
     default = DiagnosticOptions(precision=config.train.precision, **common)
-    diagnostics = {"default": UpdateDiagnostic(model, optimizer, eval_tokens, default),
-                   "first version": UpdateDiagnostic(model, optimizer, eval_tokens,
-                                                     DiagnosticOptions(**FIRST_VERSION, **common))}
+    diagnostics = {
+        "default": UpdateDiagnostic(model, optimizer, eval_tokens, default),
+        "first version": UpdateDiagnostic(model, optimizer, eval_tokens, DiagnosticOptions(**FIRST_VERSION, **common)),
+    }
     for diagnostic in diagnostics.values():
-        diagnostic.delta0, diagnostic.nll_before  # per-snapshot work, shared by every batch
+        _ = diagnostic.delta0, diagnostic.nll_before  # per-snapshot work, shared by every batch
     seconds = alternated({name: (lambda d=d: d.compare(batch)) for name, d in diagnostics.items()}, repeats)
-    return {"default_options": {"precision": default.precision, "eval_batch_size": default.eval_batch_size},
-            "first_version_options": FIRST_VERSION,
-            "units_per_minute": {name: 60 / s for name, s in seconds.items()},
-            "speedup": seconds["first version"] / seconds["default"]}
+    return {
+        "default_options": {"precision": default.precision, "eval_batch_size": default.eval_batch_size},
+        "first_version_options": FIRST_VERSION,
+        "units_per_minute": {name: 60 / s for name, s in seconds.items()},
+        "speedup": seconds["first version"] / seconds["default"],
+    }
 
 
 def evaluation_variants(config: RunConfig, repeats: int) -> dict:
@@ -90,12 +93,16 @@ def evaluation_variants(config: RunConfig, repeats: int) -> dict:
     difference of each from the one-at-a-time chunk-32 evaluation."""
     model, optimizer, batch, eval_tokens = snapshot_like(config)
     options = dict(update_depths=UPDATE_DEPTHS, serving_depths=SERVING, grad_clip=config.optim.grad_clip or None)
-    by_chunk = {rows: UpdateDiagnostic(model, optimizer, eval_tokens, DiagnosticOptions(eval_batch_size=rows, **options))
-                for rows in (16, 32, 64)}
+    by_chunk = {
+        rows: UpdateDiagnostic(model, optimizer, eval_tokens, DiagnosticOptions(eval_batch_size=rows, **options))
+        for rows in (16, 32, 64)
+    }
     reference = by_chunk[32]
     updates = [reference.update(reference.gradient(batch, depth)[1]) for depth in UPDATE_DEPTHS]
-    results = {f"one at a time, {rows} rows per chunk": (lambda d=d: [d.evaluate(u) for u in updates])
-               for rows, d in by_chunk.items()}
+    results = {
+        f"one at a time, {rows} rows per chunk": (lambda d=d: [d.evaluate(u) for u in updates])
+        for rows, d in by_chunk.items()
+    }
     results["stacked under vmap, 64 rows"] = lambda: stacked_evaluation(reference, updates)
     expected = torch.from_numpy(np.stack([reference.evaluate(u) for u in updates]))
     seconds = alternated(results, repeats)
@@ -116,17 +123,24 @@ def stacked_evaluation(diagnostic: UpdateDiagnostic, updates) -> torch.Tensor:
     module = _NllByDepth(diagnostic.model)
     tokens = diagnostic.eval_tokens
     with torch.no_grad():
-        nll = torch.vmap(lambda p: torch.func.functional_call(
-            module, {**p, **buffers}, (tokens[:, :-1], tokens[:, 1:], list(SERVING))))(stacked)
+        nll = torch.vmap(
+            lambda p: torch.func.functional_call(
+                module, {**p, **buffers}, (tokens[:, :-1], tokens[:, 1:], list(SERVING))
+            )
+        )(stacked)
     return nll.double()
 
 
 def unit_vs_parts(config: RunConfig, repeats: int) -> dict:
     model, optimizer, batch, eval_tokens = snapshot_like(config)
-    options = DiagnosticOptions(update_depths=UPDATE_DEPTHS, serving_depths=SERVING,
-                                grad_clip=config.optim.grad_clip or None, precision=config.train.precision)
+    options = DiagnosticOptions(
+        update_depths=UPDATE_DEPTHS,
+        serving_depths=SERVING,
+        grad_clip=config.optim.grad_clip or None,
+        precision=config.train.precision,
+    )
     diagnostic = UpdateDiagnostic(model, optimizer, eval_tokens, options)
-    diagnostic.delta0, diagnostic.nll_before
+    _ = diagnostic.delta0, diagnostic.nll_before
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=options.precision == "bf16")
 
     def parts() -> None:
@@ -141,8 +155,11 @@ def unit_vs_parts(config: RunConfig, repeats: int) -> dict:
                     model.nll_by_depth(rows[:, :-1], rows[:, 1:], SERVING)
 
     seconds = alternated({"unit": lambda: diagnostic.compare(batch), "parts": parts}, repeats)
-    return {"unit_seconds": seconds["unit"], "parts_seconds": seconds["parts"],
-            "ratio": seconds["unit"] / seconds["parts"]}
+    return {
+        "unit_seconds": seconds["unit"],
+        "parts_seconds": seconds["parts"],
+        "ratio": seconds["unit"] / seconds["parts"],
+    }
 
 
 def _status_bytes(field: str) -> int:
@@ -166,27 +183,41 @@ def memory_probe(config_path: str) -> None:
     for _ in range(2):
         diagnostic.compare(batch)
     state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    state_bytes += sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
-                       if torch.is_tensor(t))
+    state_bytes += sum(
+        t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)
+    )
     peak = _status_bytes("VmHWM")
-    print(json.dumps({"peak_rss_bytes": peak, "rss_before_model_bytes": before,
-                      "weights_and_optimizer_bytes": state_bytes}))
+    print(
+        json.dumps(
+            {"peak_rss_bytes": peak, "rss_before_model_bytes": before, "weights_and_optimizer_bytes": state_bytes}
+        )
+    )
 
 
 def memory(config_path: str) -> dict:
-    result = subprocess.run([sys.executable, __file__, "--config", config_path, "--memory-probe"],
-                            capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, __file__, "--config", config_path, "--memory-probe"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     probe = json.loads(result.stdout.strip().splitlines()[-1])
-    probe["peak_over_baseline_per_state_byte"] = ((probe["peak_rss_bytes"] - probe["rss_before_model_bytes"])
-                                                  / probe["weights_and_optimizer_bytes"])
+    probe["peak_over_baseline_per_state_byte"] = (probe["peak_rss_bytes"] - probe["rss_before_model_bytes"]) / probe[
+        "weights_and_optimizer_bytes"
+    ]
     return probe
 
 
 def run(config_path: str, repeats: int = 3) -> dict:
     config = load_config(config_path)
-    return {"config": config_path, "threads": torch.get_num_threads(),
-            "throughput": throughput(config, repeats), "evaluation": evaluation_variants(config, repeats),
-            "unit_vs_parts": unit_vs_parts(config, repeats), "memory": memory(config_path)}
+    return {
+        "config": config_path,
+        "threads": torch.get_num_threads(),
+        "throughput": throughput(config, repeats),
+        "evaluation": evaluation_variants(config, repeats),
+        "unit_vs_parts": unit_vs_parts(config, repeats),
+        "memory": memory(config_path),
+    }
 
 
 def main() -> None:

@@ -40,8 +40,9 @@ def speedup(model: LoopedTransformer, x: torch.Tensor, y: torch.Tensor, depths: 
                 fn()
                 times[name].append(time.perf_counter() - start)
     shape = dict(batch_size=x.shape[0], seq_len=x.shape[1], include_embeddings=True)
-    predicted = sum(eval_flops(model.config, s, **shape) for s in depths) / nll_by_depth_flops(model.config, depths,
-                                                                                                **shape)
+    predicted = sum(eval_flops(model.config, s, **shape) for s in depths) / nll_by_depth_flops(
+        model.config, depths, **shape
+    )
     measured = statistics.median(times["separate"]) / statistics.median(times["one_pass"])
     return {"predicted_speedup": predicted, "measured_speedup": measured, "fraction": measured / predicted}
 
@@ -52,9 +53,12 @@ def run(config_path: str, repeats: int = 5, batch: int = 64) -> dict:
     model = LoopedTransformer(config.model).eval()
     x = torch.randint(0, config.model.vocab_size, (batch, config.train.seq_len))
     y = torch.randint(0, config.model.vocab_size, (batch, config.train.seq_len))
-    return {"config": config_path, "tokens": [batch, config.train.seq_len],
-            "depths_1_16": speedup(model, x, y, list(range(1, 17)), repeats),
-            "depths_1_64": speedup(model, x[: batch // 4], y[: batch // 4], list(range(1, 65)), max(repeats // 2, 2))}
+    return {
+        "config": config_path,
+        "tokens": [batch, config.train.seq_len],
+        "depths_1_16": speedup(model, x, y, list(range(1, 17)), repeats),
+        "depths_1_64": speedup(model, x[: batch // 4], y[: batch // 4], list(range(1, 65)), max(repeats // 2, 2)),
+    }
 
 
 def main() -> None:

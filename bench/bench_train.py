@@ -75,7 +75,7 @@ def alternate(trainers: dict[str, Trainer], depths: dict[str, list[int]], segmen
     names = list(trainers)
     updates = len(next(iter(depths.values())))
     for start in range(0, updates, segment):
-        for name in (names if (start // segment) % 2 == 0 else names[::-1]):
+        for name in names if (start // segment) % 2 == 0 else names[::-1]:
             for step in range(start, min(start + segment, updates)):
                 seconds[name] += trainers[name].update(step, depths[name][step])
     return seconds
@@ -86,10 +86,12 @@ def settings_speedup(config: RunConfig, device: torch.device, updates: int, segm
     plain fp32 eager loop, on the config's schedule, alternated in one run."""
     tc = config.train
     plain = replace_section(config, "train", precision="fp32", compile=False)
-    sides = {"plain fp32 eager": plain,
-             "bf16 autocast": replace_section(plain, "train", precision="bf16"),
-             "compiled blocks (fp32)": replace_section(plain, "train", compile=True),
-             "bf16 + compiled blocks": replace_section(plain, "train", precision="bf16", compile=True)}
+    sides = {
+        "plain fp32 eager": plain,
+        "bf16 autocast": replace_section(plain, "train", precision="bf16"),
+        "compiled blocks (fp32)": replace_section(plain, "train", compile=True),
+        "bf16 + compiled blocks": replace_section(plain, "train", precision="bf16", compile=True),
+    }
     default = f"default ({tc.precision}{', compiled' if tc.compile else ''})"
     schedule = parse_schedule(tc.schedule, seed=tc.seed, total_updates=tc.updates)
     # The config's depth mix: its updates spread evenly over the whole run.
@@ -104,12 +106,18 @@ def settings_speedup(config: RunConfig, device: torch.device, updates: int, segm
         compile_seconds[name] = time.perf_counter() - began
     seconds = alternate(trainers, {name: depth_list for name in trainers}, segment)
     rates = {name: updates / s for name, s in seconds.items()}
-    matching = [name for name, side in sides.items()
-                if (side.train.precision, side.train.compile) == (tc.precision, tc.compile)]
-    return {"updates": updates, "mean_depth": sum(depth_list) / updates, "default": default,
-            "default_is": matching[0] if matching else None,
-            "updates_per_second": rates, "warmup_seconds": compile_seconds,
-            "speedup_vs_plain": {name: rate / rates["plain fp32 eager"] for name, rate in rates.items()}}
+    matching = [
+        name for name, side in sides.items() if (side.train.precision, side.train.compile) == (tc.precision, tc.compile)
+    ]
+    return {
+        "updates": updates,
+        "mean_depth": sum(depth_list) / updates,
+        "default": default,
+        "default_is": matching[0] if matching else None,
+        "updates_per_second": rates,
+        "warmup_seconds": compile_seconds,
+        "speedup_vs_plain": {name: rate / rates["plain fp32 eager"] for name, rate in rates.items()},
+    }
 
 
 def achieved_flops(config: RunConfig, device: torch.device, updates: int, peak: float) -> dict:
@@ -125,11 +133,15 @@ def achieved_flops(config: RunConfig, device: torch.device, updates: int, peak: 
         for step in range(updates):
             depth = schedule.depth_at(step)
             seconds += trainer.update(step, depth)
-            flops += update_flops(config.model, depth, batch_size=tc.batch_size, seq_len=tc.seq_len,
-                                  include_embeddings=True)
-        rows[spec] = {"seconds_per_update": seconds / updates,
-                      "tokens_per_second": updates * tc.batch_size * tc.seq_len / seconds,
-                      "flops_per_second": flops / seconds, "fraction_of_peak": flops / seconds / peak}
+            flops += update_flops(
+                config.model, depth, batch_size=tc.batch_size, seq_len=tc.seq_len, include_embeddings=True
+            )
+        rows[spec] = {
+            "seconds_per_update": seconds / updates,
+            "tokens_per_second": updates * tc.batch_size * tc.seq_len / seconds,
+            "flops_per_second": flops / seconds,
+            "fraction_of_peak": flops / seconds / peak,
+        }
     return rows
 
 
@@ -143,25 +155,39 @@ def fixed_first_saving(config: RunConfig, device: torch.device, updates: int, se
     for spec, trainer in trainers.items():
         trainer.update(0, depths[spec][0])
     seconds = alternate(trainers, depths, segment)
-    modeled = {spec: sum(update_flops(config.model, d, batch_size=tc.batch_size, seq_len=tc.seq_len)
-                         for d in depths[spec]) for spec in schedules}
+    modeled = {
+        spec: sum(update_flops(config.model, d, batch_size=tc.batch_size, seq_len=tc.seq_len) for d in depths[spec])
+        for spec in schedules
+    }
     measured_saving = 1 - seconds[FIXED_FIRST] / seconds[UNIFORM]
     modeled_saving = 1 - modeled[FIXED_FIRST] / modeled[UNIFORM]
-    return {"updates": updates, "seconds": seconds, "measured_saving": measured_saving,
-            "modeled_saving": modeled_saving, "ratio": measured_saving / modeled_saving}
+    return {
+        "updates": updates,
+        "seconds": seconds,
+        "measured_saving": measured_saving,
+        "modeled_saving": modeled_saving,
+        "ratio": measured_saving / modeled_saving,
+    }
 
 
-def run(config_path: str, overrides: list[str], *, updates: int = 16, fixed_first_updates: int = 30,
-        segment: int = 4) -> dict:
+def run(
+    config_path: str, overrides: list[str], *, updates: int = 16, fixed_first_updates: int = 30, segment: int = 4
+) -> dict:
     config = load_config(config_path, overrides)
     device = resolve_device(config.train.device)
     tc = config.train
     peaks = {"fp32": matmul_peak(device, torch.float32), "bf16": matmul_peak(device, torch.bfloat16)}
-    return {"config": config_path, "device": str(device), "threads": torch.get_num_threads(),
-            "precision": tc.precision, "compile": tc.compile, "matmul_peak_flops": peaks,
-            "settings": settings_speedup(config, device, updates, segment),
-            "achieved": achieved_flops(config, device, max(updates // 2, 4), peaks[tc.precision]),
-            "fixed_first": fixed_first_saving(config, device, fixed_first_updates, segment)}
+    return {
+        "config": config_path,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "precision": tc.precision,
+        "compile": tc.compile,
+        "matmul_peak_flops": peaks,
+        "settings": settings_speedup(config, device, updates, segment),
+        "achieved": achieved_flops(config, device, max(updates // 2, 4), peaks[tc.precision]),
+        "fixed_first": fixed_first_saving(config, device, fixed_first_updates, segment),
+    }
 
 
 def main() -> None:
@@ -171,9 +197,12 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=16, help="Timed updates per side.")
     parser.add_argument("--fixed-first-updates", type=int, default=30)
     parser.add_argument("--segment", type=int, default=4, help="Updates per alternating segment.")
-    parser.add_argument("--achieved-only", action="store_true",
-                        help="Only tokens/s and achieved FLOP/s of the config's own settings against the matmul "
-                             "peak in its precision (the GPU check's throughput line).")
+    parser.add_argument(
+        "--achieved-only",
+        action="store_true",
+        help="Only tokens/s and achieved FLOP/s of the config's own settings against the matmul "
+        "peak in its precision (the GPU check's throughput line).",
+    )
     args = parser.parse_args()
     if args.achieved_only:
         config = load_config(args.config, args.overrides)
@@ -181,12 +210,24 @@ def main() -> None:
         dtype = torch.bfloat16 if config.train.precision == "bf16" else torch.float32
         peak = matmul_peak(device, dtype, size=8192 if device.type == "cuda" else 2048)
         for spec, row in achieved_flops(config, device, args.updates, peak).items():
-            print(f"{spec}: {row['tokens_per_second']:,.0f} tokens/s, {row['flops_per_second'] / 1e12:.2f} TFLOP/s "
-                  f"modeled = {row['fraction_of_peak']:.1%} of the {config.train.precision} matmul peak "
-                  f"({peak / 1e12:.1f} TFLOP/s measured here), compile={config.train.compile}")
+            print(
+                f"{spec}: {row['tokens_per_second']:,.0f} tokens/s, {row['flops_per_second'] / 1e12:.2f} TFLOP/s "
+                f"modeled = {row['fraction_of_peak']:.1%} of the {config.train.precision} matmul peak "
+                f"({peak / 1e12:.1f} TFLOP/s measured here), compile={config.train.compile}"
+            )
         return
-    print(json.dumps(run(args.config, args.overrides, updates=args.updates,
-                         fixed_first_updates=args.fixed_first_updates, segment=args.segment), indent=2))
+    print(
+        json.dumps(
+            run(
+                args.config,
+                args.overrides,
+                updates=args.updates,
+                fixed_first_updates=args.fixed_first_updates,
+                segment=args.segment,
+            ),
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

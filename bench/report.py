@@ -1,6 +1,6 @@
 """Render bench/results.json as the README's performance section (between its markers).
 
-    .venv/bin/python bench/report.py bench/results.json README.md
+.venv/bin/python bench/report.py bench/results.json README.md
 """
 
 from __future__ import annotations
@@ -16,42 +16,66 @@ BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 def render(results: dict) -> str:
     machine = results["machine"]
     train, diag = results["train"], results["diag"]
-    lines = [f"From `make bench` on {results['date'][:10]}: {machine['cpu']}, {machine['cores']} cores, "
-             f"{machine['torch_threads']} torch threads, torch {machine['torch']} "
-             f"(`bench/results.json` holds every number).", "",
-             "| benchmark | measured | target | holds |", "|---|---|---|---|"]
+    lines = [
+        f"From `make bench` on {results['date'][:10]}: {machine['cpu']}, {machine['cores']} cores, "
+        f"{machine['torch_threads']} torch threads, torch {machine['torch']} "
+        f"(`bench/results.json` holds every number).",
+        "",
+        "| benchmark | measured | target | holds |",
+        "|---|---|---|---|",
+    ]
     for row in results["figures"]:
-        lines.append(f"| {row['benchmark']} | {row['measured']:.2f}{row['unit']} | {row['target']} | "
-                     f"{'yes' if row['holds'] else '**no**'} |")
+        lines.append(
+            f"| {row['benchmark']} | {row['measured']:.2f}{row['unit']} | {row['target']} | "
+            f"{'yes' if row['holds'] else '**no**'} |"
+        )
     settings = train["settings"]
-    lines += ["", f"Training settings on the tiny config's depth mix (mean depth {settings['mean_depth']:.1f}), "
-              "updates/s relative to the plain fp32 eager loop, alternated in one run:", "",
-              "| setting | speed-up | warm-up incl. compiling |", "|---|---|---|"]
+    lines += [
+        "",
+        f"Training settings on the tiny config's depth mix (mean depth {settings['mean_depth']:.1f}), "
+        "updates/s relative to the plain fp32 eager loop, alternated in one run:",
+        "",
+        "| setting | speed-up | warm-up incl. compiling |",
+        "|---|---|---|",
+    ]
     for name, ratio in settings["speedup_vs_plain"].items():
         lines.append(f"| {name} | {ratio:.2f}x | {settings['warmup_seconds'][name]:.0f} s |")
     peaks = train["matmul_peak_flops"]
-    lines += ["", f"Matmul peak measured in the same run: fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, "
-              f"bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s. Achieved by training ({train['precision']}):"]
+    lines += [
+        "",
+        f"Matmul peak measured in the same run: fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, "
+        f"bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s. Achieved by training ({train['precision']}):",
+    ]
     for spec, row in train["achieved"].items():
-        lines.append(f"{spec} {row['flops_per_second'] / 1e9:.0f} GFLOP/s "
-                     f"({row['fraction_of_peak']:.0%} of the {train['precision']} peak, "
-                     f"{row['tokens_per_second']:,.0f} tokens/s);")
+        lines.append(
+            f"{spec} {row['flops_per_second'] / 1e9:.0f} GFLOP/s "
+            f"({row['fraction_of_peak']:.0%} of the {train['precision']} peak, "
+            f"{row['tokens_per_second']:,.0f} tokens/s);"
+        )
     lines[-1] = lines[-1].rstrip(";") + "."
     throughput = diag["throughput"]
-    lines += ["", f"Diagnose: {throughput['units_per_minute']['default']:.1f} units/min by default against "
-              f"{throughput['units_per_minute']['first version']:.1f} for the first version's path "
-              f"({throughput['first_version_options']['precision']} gradient passes, "
-              f"{throughput['first_version_options']['eval_batch_size']} rows per evaluation chunk; the default: "
-              f"{throughput['default_options']['precision']}, {throughput['default_options']['eval_batch_size']}). "
-              "Evaluating two updated parameter sets:", "",
-              "| evaluation | seconds | largest NLL difference from one at a time, 32 rows |", "|---|---|---|"]
+    lines += [
+        "",
+        f"Diagnose: {throughput['units_per_minute']['default']:.1f} units/min by default against "
+        f"{throughput['units_per_minute']['first version']:.1f} for the first version's path "
+        f"({throughput['first_version_options']['precision']} gradient passes, "
+        f"{throughput['first_version_options']['eval_batch_size']} rows per evaluation chunk; the default: "
+        f"{throughput['default_options']['precision']}, {throughput['default_options']['eval_batch_size']}). "
+        "Evaluating two updated parameter sets:",
+        "",
+        "| evaluation | seconds | largest NLL difference from one at a time, 32 rows |",
+        "|---|---|---|",
+    ]
     for name, row in diag["evaluation"].items():
         lines.append(f"| {name} | {row['seconds']:.2f} | {row['max_nll_difference']:.1e} |")
     memory = diag["memory"]
-    lines += ["", f"Peak resident memory of a diagnose process: {memory['peak_rss_bytes'] / 2**20:.0f} MiB, "
-              f"{(memory['peak_rss_bytes'] - memory['rss_before_model_bytes']) / 2**20:.0f} MiB above the "
-              f"interpreter with torch loaded, against {memory['weights_and_optimizer_bytes'] / 2**20:.1f} MiB of "
-              f"weights plus optimizer state."]
+    lines += [
+        "",
+        f"Peak resident memory of a diagnose process: {memory['peak_rss_bytes'] / 2**20:.0f} MiB, "
+        f"{(memory['peak_rss_bytes'] - memory['rss_before_model_bytes']) / 2**20:.0f} MiB above the "
+        f"interpreter with torch loaded, against {memory['weights_and_optimizer_bytes'] / 2**20:.1f} MiB of "
+        f"weights plus optimizer state.",
+    ]
     return "\n".join(lines)
 
 

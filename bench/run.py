@@ -40,11 +40,20 @@ def machine() -> dict:
 
     cpu = "unknown"
     if Path("/proc/cpuinfo").is_file():
-        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")]
+        names = [
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ]
         cpu = names[0] if names else cpu
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
 
 
 def figures(results: dict) -> list[dict]:
@@ -53,25 +62,55 @@ def figures(results: dict) -> list[dict]:
     settings = train["settings"]
     default_side = settings["default_is"]
     rows = [
-        {"benchmark": "training updates/s, tiny config, default vs plain fp32 eager (alternated)",
-         "measured": settings["speedup_vs_plain"][default_side], "target": ">= 2.0", "holds":
-         settings["speedup_vs_plain"][default_side] >= 2.0, "unit": "x"},
-        {"benchmark": "diagnose units/min, default vs the first version's one-at-a-time path",
-         "measured": diag["throughput"]["speedup"], "target": ">= 2.0",
-         "holds": diag["throughput"]["speedup"] >= 2.0, "unit": "x"},
-        {"benchmark": "nll_by_depth s=1..16 vs separate forwards, fraction of the FLOPs model's speed-up",
-         "measured": model["depths_1_16"]["fraction"], "target": ">= 0.85",
-         "holds": model["depths_1_16"]["fraction"] >= 0.85, "unit": ""},
-        {"benchmark": "nll_by_depth s=1..64 vs separate forwards, fraction of the FLOPs model's speed-up",
-         "measured": model["depths_1_64"]["fraction"], "target": ">= 0.85",
-         "holds": model["depths_1_64"]["fraction"] >= 0.85, "unit": ""},
-        {"benchmark": "one diagnostic unit vs its unavoidable parts", "measured": diag["unit_vs_parts"]["ratio"],
-         "target": "<= 1.15", "holds": diag["unit_vs_parts"]["ratio"] <= 1.15, "unit": "x"},
-        {"benchmark": "fixed-first vs uniform wall-clock saving, measured / modeled",
-         "measured": train["fixed_first"]["ratio"], "target": ">= 0.90",
-         "holds": train["fixed_first"]["ratio"] >= 0.90, "unit": ""},
-        {"benchmark": "`depthdiag --help` wall time", "measured": results["help_seconds"], "target": "< 0.5",
-         "holds": results["help_seconds"] < 0.5, "unit": "s"},
+        {
+            "benchmark": "training updates/s, tiny config, default vs plain fp32 eager (alternated)",
+            "measured": settings["speedup_vs_plain"][default_side],
+            "target": ">= 2.0",
+            "holds": settings["speedup_vs_plain"][default_side] >= 2.0,
+            "unit": "x",
+        },
+        {
+            "benchmark": "diagnose units/min, default vs the first version's one-at-a-time path",
+            "measured": diag["throughput"]["speedup"],
+            "target": ">= 2.0",
+            "holds": diag["throughput"]["speedup"] >= 2.0,
+            "unit": "x",
+        },
+        {
+            "benchmark": "nll_by_depth s=1..16 vs separate forwards, fraction of the FLOPs model's speed-up",
+            "measured": model["depths_1_16"]["fraction"],
+            "target": ">= 0.85",
+            "holds": model["depths_1_16"]["fraction"] >= 0.85,
+            "unit": "",
+        },
+        {
+            "benchmark": "nll_by_depth s=1..64 vs separate forwards, fraction of the FLOPs model's speed-up",
+            "measured": model["depths_1_64"]["fraction"],
+            "target": ">= 0.85",
+            "holds": model["depths_1_64"]["fraction"] >= 0.85,
+            "unit": "",
+        },
+        {
+            "benchmark": "one diagnostic unit vs its unavoidable parts",
+            "measured": diag["unit_vs_parts"]["ratio"],
+            "target": "<= 1.15",
+            "holds": diag["unit_vs_parts"]["ratio"] <= 1.15,
+            "unit": "x",
+        },
+        {
+            "benchmark": "fixed-first vs uniform wall-clock saving, measured / modeled",
+            "measured": train["fixed_first"]["ratio"],
+            "target": ">= 0.90",
+            "holds": train["fixed_first"]["ratio"] >= 0.90,
+            "unit": "",
+        },
+        {
+            "benchmark": "`depthdiag --help` wall time",
+            "measured": results["help_seconds"],
+            "target": "< 0.5",
+            "holds": results["help_seconds"] < 0.5,
+            "unit": "s",
+        },
     ]
     return rows
 
@@ -79,8 +118,10 @@ def figures(results: dict) -> list[dict]:
 def format_table(rows: list[dict]) -> str:
     lines = ["| benchmark | measured | target | holds |", "|---|---|---|---|"]
     for row in rows:
-        lines.append(f"| {row['benchmark']} | {row['measured']:.2f}{row['unit']} | {row['target']} | "
-                     f"{'yes' if row['holds'] else 'NO'} |")
+        lines.append(
+            f"| {row['benchmark']} | {row['measured']:.2f}{row['unit']} | {row['target']} | "
+            f"{'yes' if row['holds'] else 'NO'} |"
+        )
     return "\n".join(lines)
 
 
@@ -95,8 +136,11 @@ def main() -> None:
     import bench_train
 
     began = time.perf_counter()
-    results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "machine": machine(), "help_seconds": help_seconds()}
+    results = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "help_seconds": help_seconds(),
+    }
     for name, module in (("model", bench_model), ("train", bench_train), ("diag", bench_diag)):
         print(f"bench: {name} ...", file=sys.stderr, flush=True)
         results[name] = module.run(args.config) if name != "train" else module.run(args.config, [])

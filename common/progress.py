@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from tqdm import tqdm
 
@@ -20,8 +21,9 @@ LINE_EVERY_SECONDS = 30.0
 class LineProgress:
     """The part of tqdm's interface depthdiag uses, printed as occasional plain lines."""
 
-    def __init__(self, total: int | None, desc: str, unit: str, *, initial: int = 0,
-                 every: float = LINE_EVERY_SECONDS, file=None):
+    def __init__(
+        self, total: int | None, desc: str, unit: str, *, initial: int = 0, every: float = LINE_EVERY_SECONDS, file=None
+    ):
         self.total, self.desc, self.unit, self.n = total, desc, unit, initial
         self.every = every
         self.file = file if file is not None else sys.stderr
@@ -29,7 +31,7 @@ class LineProgress:
         self._started = self._last = time.monotonic()
         self._initial = self._printed_at = initial
 
-    def __enter__(self) -> "LineProgress":
+    def __enter__(self) -> LineProgress:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -12,9 +12,16 @@ must not pay for importing torch and xarray just to print its help.
 
 from importlib import import_module
 
-_HOMES = {"DiagnosticOptions": "diag.engine", "UpdateDiagnostic": "diag.engine", "compare_updates": "diag.engine",
-          "global_cosine": "diag.engine", "global_rms": "diag.engine", "match_rms": "diag.engine",
-          "OptimizerStep": "diag.optim_step", "optimizer_step": "diag.optim_step"}
+_HOMES = {
+    "DiagnosticOptions": "diag.engine",
+    "UpdateDiagnostic": "diag.engine",
+    "compare_updates": "diag.engine",
+    "global_cosine": "diag.engine",
+    "global_rms": "diag.engine",
+    "match_rms": "diag.engine",
+    "OptimizerStep": "diag.optim_step",
+    "optimizer_step": "diag.optim_step",
+}
 
 __all__ = sorted(_HOMES)
 

@@ -58,19 +58,39 @@ def main(debug: bool) -> None:
 
 # --- flops ----------------------------------------------------------------------------------
 
+
 @main.command()
 @click.argument("config_path", metavar="CONFIG", type=click.Path(dir_okay=False))
-@click.option("--updates", type=click.IntRange(min=1), default=None,
-              help="Run length to lay the schedules out over (default: the config's train.updates).")
-@click.option("--schedule", "specs", multiple=True, metavar="SPEC",
-              help="A depth schedule spec; repeat for several (default: the config's schedule and uniform:1-16).")
-@click.option("--match", metavar="SPEC", default=None,
-              help="Also print the run length at which SPEC matches the first schedule's modeled compute.")
+@click.option(
+    "--updates",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Run length to lay the schedules out over (default: the config's train.updates).",
+)
+@click.option(
+    "--schedule",
+    "specs",
+    multiple=True,
+    metavar="SPEC",
+    help="A depth schedule spec; repeat for several (default: the config's schedule and uniform:1-16).",
+)
+@click.option(
+    "--match",
+    metavar="SPEC",
+    default=None,
+    help="Also print the run length at which SPEC matches the first schedule's modeled compute.",
+)
 @click.option("--include-embeddings", is_flag=True, help="Count the LM head matmul too.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @reports_input_errors
-def flops(config_path: str, updates: int | None, specs: tuple[str, ...], match: str | None,
-          include_embeddings: bool, as_json: bool) -> None:
+def flops(
+    config_path: str,
+    updates: int | None,
+    specs: tuple[str, ...],
+    match: str | None,
+    include_embeddings: bool,
+    as_json: bool,
+) -> None:
     """Modeled training FLOPs of depth schedules on CONFIG's model, relative to uniform:1-16.
 
     \b
@@ -87,9 +107,16 @@ def flops(config_path: str, updates: int | None, specs: tuple[str, ...], match: 
     updates = updates or train.updates
     if not specs:
         specs = tuple(dict.fromkeys((train.schedule, UNIFORM_REFERENCE)))
-    report = flops_report(config.model, specs, updates=updates, batch_size=train.batch_size,
-                          seq_len=train.seq_len, seed=train.seed, include_embeddings=include_embeddings,
-                          match=match)
+    report = flops_report(
+        config.model,
+        specs,
+        updates=updates,
+        batch_size=train.batch_size,
+        seq_len=train.seq_len,
+        seed=train.seed,
+        include_embeddings=include_embeddings,
+        match=match,
+    )
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
         return
@@ -97,34 +124,54 @@ def flops(config_path: str, updates: int | None, specs: tuple[str, ...], match: 
     non_embedding = sum(counts.values()) - counts["embedding"] - counts["head"]
     tokens = updates * train.batch_size * train.seq_len
     tokens_text = f"{tokens / 1e9:.2f}B" if tokens >= 1e9 else f"{tokens / 1e6:.2f}M"
-    click.echo(f"{config_path}: {non_embedding / 1e6:.1f}M non-embedding parameters; {updates:,} updates "
-               f"x {train.batch_size} x {train.seq_len} tokens ({tokens_text} tokens); "
-               f"LM head {'included' if include_embeddings else 'excluded'}")
+    click.echo(
+        f"{config_path}: {non_embedding / 1e6:.1f}M non-embedding parameters; {updates:,} updates "
+        f"x {train.batch_size} x {train.seq_len} tokens ({tokens_text} tokens); "
+        f"LM head {'included' if include_embeddings else 'excluded'}"
+    )
     width = max(len("schedule"), *(len(row.spec) for row in report.schedules))
     click.echo(f"{'schedule':<{width}}  {'modeled FLOPs':>13}  {'mean depth':>10}  {'vs ' + UNIFORM_REFERENCE:>15}")
     for row in report.schedules:
-        click.echo(f"{row.spec:<{width}}  {row.modeled_flops:>13.4e}  {row.mean_depth:>10.3f}  "
-                   f"{row.relative_to_uniform:>15.2%}")
+        click.echo(
+            f"{row.spec:<{width}}  {row.modeled_flops:>13.4e}  {row.mean_depth:>10.3f}  "
+            f"{row.relative_to_uniform:>15.2%}"
+        )
     if report.match is not None:
         m = report.match
-        click.echo(f"match: {m.spec} over {m.updates:,} updates ({m.modeled_flops:.4e} FLOPs) matches "
-                   f"{m.reference} over {updates:,} updates ({m.reference_flops:.4e} FLOPs)")
+        click.echo(
+            f"match: {m.spec} over {m.updates:,} updates ({m.modeled_flops:.4e} FLOPs) matches "
+            f"{m.reference} over {updates:,} updates ({m.reference_flops:.4e} FLOPs)"
+        )
 
 
 # --- train / eval ---------------------------------------------------------------------------
 
+
 @main.command("train")
 @click.argument("config_path", metavar="CONFIG", type=click.Path(dir_okay=False))
-@click.option("--out", type=click.Path(file_okay=False), default=None,
-              help="Run directory (default: runs/<config name>).")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="Override a config value, e.g. --set train.updates=200 (repeatable).")
-@click.option("--resume", "resume_dir", metavar="RUN_DIR", type=click.Path(file_okay=False), default=None,
-              help="Continue RUN_DIR from its newest checkpoint; the config must equal the stored one.")
+@click.option(
+    "--out", type=click.Path(file_okay=False), default=None, help="Run directory (default: runs/<config name>)."
+)
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a config value, e.g. --set train.updates=200 (repeatable).",
+)
+@click.option(
+    "--resume",
+    "resume_dir",
+    metavar="RUN_DIR",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Continue RUN_DIR from its newest checkpoint; the config must equal the stored one.",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @reports_input_errors
-def train_run(config_path: str, out: str | None, overrides: tuple[str, ...], resume_dir: str | None,
-              no_progress: bool) -> None:
+def train_run(
+    config_path: str, out: str | None, overrides: tuple[str, ...], resume_dir: str | None, no_progress: bool
+) -> None:
     """Train the looped transformer CONFIG describes: metrics, checkpoints and
     switch-point snapshots go to the run directory.
 
@@ -142,32 +189,50 @@ def train_run(config_path: str, out: str | None, overrides: tuple[str, ...], res
     run_dir, resume = resolve_run_dir(config_path, out, resume_dir)
     summary = train(config, run_dir, resume=resume, progress=not no_progress)
     if os.environ.get("RANK", "0") == "0":
-        click.echo(f"trained {summary.updates:,} updates into {summary.run_dir} "
-                   f"(resumed from {summary.resumed_from}): final loss {summary.final_loss:.4f}, "
-                   f"{len(summary.checkpoints)} checkpoint(s), {len(summary.snapshots)} snapshot(s) written")
+        click.echo(
+            f"trained {summary.updates:,} updates into {summary.run_dir} "
+            f"(resumed from {summary.resumed_from}): final loss {summary.final_loss:.4f}, "
+            f"{len(summary.checkpoints)} checkpoint(s), {len(summary.snapshots)} snapshot(s) written"
+        )
 
 
 @main.command("eval")
 @click.argument("checkpoint", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--serving", default="1-16", show_default=True,
-              help="Serving depths: a range (1-64), a list (1,2,4,8) or both (1-4,8,16).")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Also write the table as an xarray Dataset (HDF5 via h5netcdf).")
+@click.option(
+    "--serving",
+    default="1-16",
+    show_default=True,
+    help="Serving depths: a range (1-64), a list (1,2,4,8) or both (1-4,8,16).",
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the table as an xarray Dataset (HDF5 via h5netcdf).",
+)
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True,
-              help="Evaluation sequences per forward pass.")
+@click.option(
+    "--batch-size",
+    type=click.IntRange(min=1),
+    default=32,
+    show_default=True,
+    help="Evaluation sequences per forward pass.",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @reports_input_errors
-def eval_checkpoint(checkpoint: Path, serving: str, out: Path | None, device: str, batch_size: int,
-                    no_progress: bool) -> None:
+def eval_checkpoint(
+    checkpoint: Path, serving: str, out: Path | None, device: str, batch_size: int, no_progress: bool
+) -> None:
     """Mean token NLL of CHECKPOINT (a checkpoint or snapshot) at each serving depth on its
     evaluation set; for the bioS task also the recalled bits per person."""
     from trainer.evaluate import evaluate_checkpoint, format_table, parse_depths
 
     depths = parse_depths(serving)
     ds = evaluate_checkpoint(checkpoint, depths, device=device, batch_size=batch_size, progress=not no_progress)
-    click.echo(f"{checkpoint}: step {ds.attrs['step']}, {ds.attrs['uniform_updates']} uniform updates, "
-               f"{ds.attrs['eval_sequences']} evaluation sequences")
+    click.echo(
+        f"{checkpoint}: step {ds.attrs['step']}, {ds.attrs['uniform_updates']} uniform updates, "
+        f"{ds.attrs['eval_sequences']} evaluation sequences"
+    )
     click.echo(format_table(ds))
     if out is not None:
         from analysis.store import write_dataset
@@ -179,35 +244,85 @@ def eval_checkpoint(checkpoint: Path, serving: str, out: Path | None, device: st
 
 # --- diagnose -------------------------------------------------------------------------------
 
+
 @main.command()
 @click.argument("snapshots", nargs=-1, required=True, type=click.Path(dir_okay=False))
-@click.option("--out", required=True, type=click.Path(dir_okay=False),
-              help="Results file (HDF5). Finished units wait in OUT.parts/ until the run completes.")
-@click.option("--update-depths", default="4,16", show_default=True,
-              help="Depths of the compared updates, comma-separated; the first is the reference.")
-@click.option("--serving", default="1-16", show_default=True,
-              help="Serving depths: a range (1-64), a list (1,2,4,8) or both (1-4,8,16).")
-@click.option("--batches", type=click.IntRange(min=1), default=None,
-              help="Batches per snapshot [default: all a snapshot carries; checkpoints: train.snapshot_batches].")
-@click.option("--isolate", type=click.Choice(ISOLATE_CHOICES), default="counterfactual",
-              show_default=True, help="counterfactual: Delta(g) - Delta(0); none: Delta(g); linear: first-order term.")
-@click.option("--rms-match", type=click.Choice(RMS_MATCH_CHOICES), default="reference",
-              show_default=True, help="Scale the updates to a common RMS (reference: the first depth's).")
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Results file (HDF5). Finished units wait in OUT.parts/ until the run completes.",
+)
+@click.option(
+    "--update-depths",
+    default="4,16",
+    show_default=True,
+    help="Depths of the compared updates, comma-separated; the first is the reference.",
+)
+@click.option(
+    "--serving",
+    default="1-16",
+    show_default=True,
+    help="Serving depths: a range (1-64), a list (1,2,4,8) or both (1-4,8,16).",
+)
+@click.option(
+    "--batches",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Batches per snapshot [default: all a snapshot carries; checkpoints: train.snapshot_batches].",
+)
+@click.option(
+    "--isolate",
+    type=click.Choice(ISOLATE_CHOICES),
+    default="counterfactual",
+    show_default=True,
+    help="counterfactual: Delta(g) - Delta(0); none: Delta(g); linear: first-order term.",
+)
+@click.option(
+    "--rms-match",
+    type=click.Choice(RMS_MATCH_CHOICES),
+    default="reference",
+    show_default=True,
+    help="Scale the updates to a common RMS (reference: the first depth's).",
+)
 @click.option("--lr", type=float, default=None, help="Learning rate of the step [default: the snapshot's next LR].")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option("--eval-batch-size", type=click.IntRange(min=1), default=32, show_default=True,
-              help="Evaluation sequences per forward pass.")
-@click.option("--eval-set", type=click.Choice(EVAL_SET_CHOICES), default="auto", show_default=True,
-              help="snapshot: the evaluation set the snapshot carries; attributes (bioS): the evaluation "
-                   "presentations, NLL over the attribute-value tokens only; auto: attributes for bioS runs, "
-                   "snapshot otherwise.")
+@click.option(
+    "--eval-batch-size",
+    type=click.IntRange(min=1),
+    default=32,
+    show_default=True,
+    help="Evaluation sequences per forward pass.",
+)
+@click.option(
+    "--eval-set",
+    type=click.Choice(EVAL_SET_CHOICES),
+    default="auto",
+    show_default=True,
+    help="snapshot: the evaluation set the snapshot carries; attributes (bioS): the evaluation "
+    "presentations, NLL over the attribute-value tokens only; auto: attributes for bioS runs, "
+    "snapshot otherwise.",
+)
 @click.option("--resume", is_flag=True, help="Continue an interrupted run with the same settings.")
 @click.option("--force", is_flag=True, help="Discard an unfinished run or an existing OUT and start over.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @reports_input_errors
-def diagnose(snapshots: tuple[str, ...], out: str, update_depths: str, serving: str, batches: int | None,
-             isolate: str, rms_match: str, lr: float | None, device: str, eval_batch_size: int, eval_set: str,
-             resume: bool, force: bool, no_progress: bool) -> None:
+def diagnose(
+    snapshots: tuple[str, ...],
+    out: str,
+    update_depths: str,
+    serving: str,
+    batches: int | None,
+    isolate: str,
+    rms_match: str,
+    lr: float | None,
+    device: str,
+    eval_batch_size: int,
+    eval_set: str,
+    resume: bool,
+    force: bool,
+    no_progress: bool,
+) -> None:
     """Compare single updates at several depths from each SNAPSHOT (snapshot or checkpoint
     files of one run) on its batches; write nll, benefit and update statistics to OUT.
 
@@ -215,13 +330,26 @@ def diagnose(snapshots: tuple[str, ...], out: str, update_depths: str, serving: 
     Benefit(s) = NLL after the first depth's update - NLL after the last depth's update,
     at each serving depth s: positive favours the deeper update. See docs/diagnostic.md.
     """
-    from diag.run import DiagnoseConfig, diagnose as run_diagnose, parse_update_depths
+    from diag.run import DiagnoseConfig, parse_update_depths
+    from diag.run import diagnose as run_diagnose
     from trainer.evaluate import parse_depths
 
-    config = DiagnoseConfig(snapshots=snapshots, out=out, update_depths=parse_update_depths(update_depths),
-                            serving_depths=parse_depths(serving), batches=batches, isolate=isolate,
-                            rms_match=rms_match, lr=lr, eval_batch_size=eval_batch_size, eval_set=eval_set,
-                            device=device, resume=resume, force=force, progress=not no_progress)
+    config = DiagnoseConfig(
+        snapshots=snapshots,
+        out=out,
+        update_depths=parse_update_depths(update_depths),
+        serving_depths=parse_depths(serving),
+        batches=batches,
+        isolate=isolate,
+        rms_match=rms_match,
+        lr=lr,
+        eval_batch_size=eval_batch_size,
+        eval_set=eval_set,
+        device=device,
+        resume=resume,
+        force=force,
+        progress=not no_progress,
+    )
     click.echo(f"wrote {run_diagnose(config)}")
 
 
@@ -357,13 +485,20 @@ def plot(results: tuple[Path, ...], figure_number: str, out: Path, level: float,
 
 @main.command()
 @click.argument("results", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option("--after", "after_updates", type=click.IntRange(min=1), default=16, show_default=True,
-              help="Compare the switch with the snapshot after this many uniform updates.")
+@click.option(
+    "--after",
+    "after_updates",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Compare the switch with the snapshot after this many uniform updates.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON (NaN as null).")
 @_interval_options
 @reports_input_errors
-def sensitivity(results: tuple[Path, ...], after_updates: int, as_json: bool, level: float, method: str,
-                n_resamples: int) -> None:
+def sensitivity(
+    results: tuple[Path, ...], after_updates: int, as_json: bool, level: float, method: str, n_resamples: int
+) -> None:
     """Depth-averaged benefit at the switch and after --after uniform updates, for every
     (isolate, rms_match) combination among RESULTS, as a Markdown table.
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -36,7 +36,6 @@ from diag.optim_step import OptimizerStep, optimizer_step
 
 IGNORE_INDEX = -1
 """Target value skipped by the training loss and the evaluation (as trainer.model.IGNORE_INDEX)."""
-
 
 
 def _depth_tuple(values: Iterable[int], name: str) -> tuple[int, ...]:
@@ -95,6 +94,7 @@ class DiagnosticOptions:
 
 
 # --- pure update arithmetic --------------------------------------------------------------------
+
 
 def _squared_norms(update: Sequence[Tensor]) -> Tensor:
     """||u_p||^2 of every tensor, float64 [P], on the tensors' device (one sync when read)."""
@@ -193,6 +193,7 @@ class _NllByDepth(nn.Module):
 
 # --- the diagnostic ----------------------------------------------------------------------------
 
+
 @contextlib.contextmanager
 def _module_mode(model: nn.Module, *, training: bool) -> Iterator[None]:
     """Gradients in training mode and evaluations in eval mode (dropout, for models that
@@ -215,8 +216,14 @@ class UpdateDiagnostic:
     to either are not seen. `compare(batch)` runs one unit.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, eval_tokens: Tensor,
-                 options: DiagnosticOptions = DiagnosticOptions(), eval_mask: Tensor | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        eval_tokens: Tensor,
+        options: DiagnosticOptions = DiagnosticOptions(),
+        eval_mask: Tensor | None = None,
+    ):
         self.model = model
         self.options = options
         self.step: OptimizerStep = optimizer_step(optimizer, options.lr)
@@ -230,8 +237,10 @@ class UpdateDiagnostic:
             raise ValueError("the optimizer lists a parameter more than once")
         # The optimizer's clones are the same numbers: share them instead of holding two copies.
         shared = dict(zip(stepped, self.step.theta))
-        values = {name: shared[name] if name in shared else p.detach().to(dtype=torch.float32, copy=True)
-                  for name, p in model.named_parameters()}
+        values = {
+            name: shared[name] if name in shared else p.detach().to(dtype=torch.float32, copy=True)
+            for name, p in model.named_parameters()
+        }
         self.theta: dict[str, Tensor] = values
         """Parameter name -> fp32 clone (deduplicated names, as named_parameters gives them)."""
         self.stepped: list[str] = stepped
@@ -243,15 +252,17 @@ class UpdateDiagnostic:
         targets = self.eval_tokens[:, 1:]
         if eval_mask is not None:
             if not torch.is_tensor(eval_mask) or eval_mask.dtype != torch.bool or eval_mask.shape != targets.shape:
-                raise ValueError(f"eval_mask must be a bool tensor of the targets' shape {list(targets.shape)} "
-                                 "(eval_tokens[:, 1:])")
+                raise ValueError(
+                    f"eval_mask must be a bool tensor of the targets' shape {list(targets.shape)} (eval_tokens[:, 1:])"
+                )
             targets = targets.masked_fill(~eval_mask.to(self.device), IGNORE_INDEX)
         self.eval_targets = targets
         """int64 [E, T]: the evaluation targets, IGNORE_INDEX where eval_mask leaves a token out."""
         # Counted targets per evaluation chunk, read once: every evaluation reuses them, and
         # reading them per chunk would stall the device on each one.
-        self._chunk_counts = [int((rows != IGNORE_INDEX).sum())
-                              for rows in self.eval_targets.split(options.eval_batch_size)]
+        self._chunk_counts = [
+            int((rows != IGNORE_INDEX).sum()) for rows in self.eval_targets.split(options.eval_batch_size)
+        ]
         if sum(self._chunk_counts) == 0:
             raise ValueError("the evaluation set has no counted target (all IGNORE_INDEX or masked out)")
         self._delta0: list[Tensor] | None = None
@@ -271,22 +282,26 @@ class UpdateDiagnostic:
         parameters as `clip_grad_norm_(model.parameters())` does in training."""
         batch = _check_tokens(batch, "batch").to(self.device)
         leaves = {name: t.detach().requires_grad_(self.requires_grad[name]) for name, t in self.theta.items()}
-        autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.options.precision == "bf16"
-                    else contextlib.nullcontext())
+        autocast = (
+            torch.autocast(self.device.type, dtype=torch.bfloat16)
+            if self.options.precision == "bf16"
+            else contextlib.nullcontext()
+        )
         with torch.enable_grad(), autocast, _module_mode(self.model, training=True):
-            output = torch.func.functional_call(self.model, self._state(leaves), (batch[:, :-1],),
-                                                {self.options.depth_kwarg: int(depth)})
+            output = torch.func.functional_call(
+                self.model, self._state(leaves), (batch[:, :-1],), {self.options.depth_kwarg: int(depth)}
+            )
         logits = _logits(output)  # [B, T, V]
         targets = batch[:, 1:]
         # Summed, then divided by the counted targets: the training loop's form, to the bit.
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum") / float((targets != IGNORE_INDEX).sum())
+        loss = F.cross_entropy(
+            logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        ) / float((targets != IGNORE_INDEX).sum())
         trainable = [name for name in leaves if self.requires_grad[name]]
         grads = torch.autograd.grad(loss, [leaves[n] for n in trainable], allow_unused=True)
         grads = [torch.zeros_like(leaves[n]) if g is None else g for n, g in zip(trainable, grads)]
         by_name = dict(zip(trainable, clip_gradients(grads, self.options.grad_clip)))
-        flat = [by_name[n].float() if n in by_name else torch.zeros_like(self.theta[n])
-                for n in self.stepped]
+        flat = [by_name[n].float() if n in by_name else torch.zeros_like(self.theta[n]) for n in self.stepped]
         return float(loss.detach()), flat
 
     @property
@@ -315,8 +330,11 @@ class UpdateDiagnostic:
         depths = list(self.options.serving_depths)
         total = torch.zeros(len(depths), dtype=torch.float64, device=self.device)
         with torch.no_grad(), _module_mode(self.model, training=False):
-            chunks = zip(self.eval_tokens.split(self.options.eval_batch_size),
-                         self.eval_targets.split(self.options.eval_batch_size), self._chunk_counts)
+            chunks = zip(
+                self.eval_tokens.split(self.options.eval_batch_size),
+                self.eval_targets.split(self.options.eval_batch_size),
+                self._chunk_counts,
+            )
             for rows, targets, count in chunks:
                 if count == 0:
                     continue
@@ -330,8 +348,9 @@ class UpdateDiagnostic:
             return torch.func.functional_call(self._nll_module, state, (inputs, targets, depths))
         nll = []
         for s in depths:
-            output = torch.func.functional_call(self.model, self._state(params), (inputs,),
-                                                {self.options.depth_kwarg: s})
+            output = torch.func.functional_call(
+                self.model, self._state(params), (inputs,), {self.options.depth_kwarg: s}
+            )
             logits = _logits(output)  # [b, T, V]
             nll.append(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX))
         return torch.stack(nll)
@@ -361,8 +380,9 @@ class UpdateDiagnostic:
         nll = np.stack([self.evaluate(u) for u in matched])  # [update_depth, serving_depth]
         return self._dataset(nll, losses, raw_rms, scales, cosine)
 
-    def _dataset(self, nll: np.ndarray, losses: list[float], raw_rms: list[float], scales: list[float],
-                 cosine: float) -> xr.Dataset:
+    def _dataset(
+        self, nll: np.ndarray, losses: list[float], raw_rms: list[float], scales: list[float], cosine: float
+    ) -> xr.Dataset:
         opts = self.options
         ud, sd = ("update_depth",), ("serving_depth",)
         variables = {
@@ -377,28 +397,58 @@ class UpdateDiagnostic:
         if len(opts.update_depths) > 2:
             variables["benefit_all"] = (ud + sd, nll[0][None, :] - nll)
         lrs = self.step.lrs
-        attrs = {"isolate": opts.isolate, "rms_match": opts.rms_match, "lr": lrs[0] if lrs else math.nan,
-                 "optimizer": self.step.optimizer_class, "grad_clip": float(opts.grad_clip or 0.0),
-                 "precision": opts.precision}
+        attrs = {
+            "isolate": opts.isolate,
+            "rms_match": opts.rms_match,
+            "lr": lrs[0] if lrs else math.nan,
+            "optimizer": self.step.optimizer_class,
+            "grad_clip": float(opts.grad_clip or 0.0),
+            "precision": opts.precision,
+        }
         if len(set(lrs)) > 1:
             attrs["group_lrs"] = json.dumps(lrs)
-        ds = xr.Dataset(variables, coords={"update_depth": list(opts.update_depths),
-                                           "serving_depth": list(opts.serving_depths)}, attrs=attrs)
-        ds["benefit"].attrs["description"] = (f"nll at update depth {opts.update_depths[0]} minus nll at update "
-                                              f"depth {opts.update_depths[-1]}; positive favours the latter")
+        ds = xr.Dataset(
+            variables,
+            coords={"update_depth": list(opts.update_depths), "serving_depth": list(opts.serving_depths)},
+            attrs=attrs,
+        )
+        ds["benefit"].attrs["description"] = (
+            f"nll at update depth {opts.update_depths[0]} minus nll at update "
+            f"depth {opts.update_depths[-1]}; positive favours the latter"
+        )
         return ds
 
 
-def compare_updates(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Tensor, eval_tokens: Tensor, *,
-                    update_depths: Sequence[int] = (4, 16), serving_depths: Iterable[int] = range(1, 17),
-                    depth_kwarg: str = "depth", isolate: str = "counterfactual", rms_match: str = "reference",
-                    lr: float | None = None, grad_clip: float | None = None, precision: str = "fp32",
-                    eval_batch_size: int = 32, eval_mask: Tensor | None = None) -> xr.Dataset:
+def compare_updates(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Tensor,
+    eval_tokens: Tensor,
+    *,
+    update_depths: Sequence[int] = (4, 16),
+    serving_depths: Iterable[int] = range(1, 17),
+    depth_kwarg: str = "depth",
+    isolate: str = "counterfactual",
+    rms_match: str = "reference",
+    lr: float | None = None,
+    grad_clip: float | None = None,
+    precision: str = "fp32",
+    eval_batch_size: int = 32,
+    eval_mask: Tensor | None = None,
+) -> xr.Dataset:
     """The update diagnostic for one (snapshot, batch) unit; see `UpdateDiagnostic` and
     docs/diagnostic.md. `batch` [B, T+1] and `eval_tokens` [E, T+1] are token ids;
     `eval_mask` bool [E, T], when given, counts only the targets eval_tokens[:, 1:] it marks.
     The model and the optimizer are left bit-for-bit unchanged."""
-    options = DiagnosticOptions(update_depths=tuple(update_depths), serving_depths=tuple(serving_depths),
-                                depth_kwarg=depth_kwarg, isolate=isolate, rms_match=rms_match, lr=lr,
-                                grad_clip=grad_clip, precision=precision, eval_batch_size=eval_batch_size)
+    options = DiagnosticOptions(
+        update_depths=tuple(update_depths),
+        serving_depths=tuple(serving_depths),
+        depth_kwarg=depth_kwarg,
+        isolate=isolate,
+        rms_match=rms_match,
+        lr=lr,
+        grad_clip=grad_clip,
+        precision=precision,
+        eval_batch_size=eval_batch_size,
+    )
     return UpdateDiagnostic(model, optimizer, eval_tokens, options, eval_mask=eval_mask).compare(batch)

@@ -20,8 +20,8 @@ of every param group, group by group.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -78,18 +78,24 @@ class OptimizerStep:
 
     def linear(self, direction: Sequence[Tensor]) -> list[Tensor]:
         """d/de Delta(e * direction) at e = 0 (fp32, flat order)."""
-        raise ValueError(f"isolate='linear' needs the update rule written out; it supports Adam, AdamW "
-                         f"and SGD, not {self.optimizer_class}")
+        raise ValueError(
+            f"isolate='linear' needs the update rule written out; it supports Adam, AdamW "
+            f"and SGD, not {self.optimizer_class}"
+        )
 
-    def _jvp_at_zero(self, direction: Sequence[Tensor],
-                     delta_of: Callable[[int, Tensor, dict], Tensor]) -> list[Tensor]:
+    def _jvp_at_zero(
+        self, direction: Sequence[Tensor], delta_of: Callable[[int, Tensor, dict], Tensor]
+    ) -> list[Tensor]:
         """d/de delta_of(i, e * direction[i], hyper) at e = 0 for every parameter i."""
         direction = self._check(direction)
         out: list[Tensor] = []
         for g in self.groups:
             for i in range(g.start, g.stop):
-                _, tangent = torch.func.jvp(lambda grad: delta_of(i, grad, g.hyper),
-                                            (torch.zeros_like(direction[i]),), (direction[i],))
+                _, tangent = torch.func.jvp(
+                    lambda grad, i=i, hyper=g.hyper: delta_of(i, grad, hyper),
+                    (torch.zeros_like(direction[i]),),
+                    (direction[i],),
+                )
                 out.append(tangent)
         return out
 
@@ -106,7 +112,7 @@ class AdamStep(OptimizerStep):
         super().__init__(optimizer, lr)
         self.state: list[dict[str, Tensor]] = []
         for group, g in zip(optimizer.param_groups, self.groups):
-            for p, theta in zip(group["params"], self.theta[g.start:g.stop]):
+            for p, theta in zip(group["params"], self.theta[g.start : g.stop]):
                 self.state.append(self._initial_state(optimizer.state.get(p, {}), theta, g.hyper))
 
     @staticmethod
@@ -115,8 +121,11 @@ class AdamStep(OptimizerStep):
             return {k: (v.detach().clone() if k == "step" else _fp32_clone(v)) for k, v in state.items()}
         # torch's lazy initialisation (Adam._init_group): step on the CPU unless capturable/fused.
         on_device = hyper.get("capturable") or hyper.get("fused")
-        fresh = {"step": torch.zeros((), dtype=torch.float32, device=theta.device if on_device else "cpu"),
-                 "exp_avg": torch.zeros_like(theta), "exp_avg_sq": torch.zeros_like(theta)}
+        fresh = {
+            "step": torch.zeros((), dtype=torch.float32, device=theta.device if on_device else "cpu"),
+            "exp_avg": torch.zeros_like(theta),
+            "exp_avg_sq": torch.zeros_like(theta),
+        }
         if hyper.get("amsgrad"):
             fresh["max_exp_avg_sq"] = torch.zeros_like(theta)
         return fresh
@@ -125,26 +134,37 @@ class AdamStep(OptimizerStep):
         grads = self._check(grads)
         out: list[Tensor] = []
         for g in self.groups:
-            params = [t.clone() for t in self.theta[g.start:g.stop]]
-            states = [{k: v.clone() for k, v in s.items()} for s in self.state[g.start:g.stop]]
+            params = [t.clone() for t in self.theta[g.start : g.stop]]
+            states = [{k: v.clone() for k, v in s.items()} for s in self.state[g.start : g.stop]]
             h = g.hyper
             beta1, beta2 = h["betas"]
             adam_kernel(
-                params, grads[g.start:g.stop],
-                [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                params,
+                grads[g.start : g.stop],
+                [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states],
                 [s["max_exp_avg_sq"] for s in states] if h.get("amsgrad") else [],
                 [s["step"] for s in states],
-                foreach=h.get("foreach"), capturable=h.get("capturable", False),
-                differentiable=False, fused=h.get("fused"),
+                foreach=h.get("foreach"),
+                capturable=h.get("capturable", False),
+                differentiable=False,
+                fused=h.get("fused"),
                 decoupled_weight_decay=h.get("decoupled_weight_decay", False),
-                amsgrad=h.get("amsgrad", False), beta1=beta1, beta2=beta2, lr=h["lr"],
-                weight_decay=h["weight_decay"], eps=h["eps"], maximize=h.get("maximize", False))
-            out.extend(p.sub_(t) for p, t in zip(params, self.theta[g.start:g.stop]))
+                amsgrad=h.get("amsgrad", False),
+                beta1=beta1,
+                beta2=beta2,
+                lr=h["lr"],
+                weight_decay=h["weight_decay"],
+                eps=h["eps"],
+                maximize=h.get("maximize", False),
+            )
+            out.extend(p.sub_(t) for p, t in zip(params, self.theta[g.start : g.stop]))
         return out
 
     def linear(self, direction: Sequence[Tensor]) -> list[Tensor]:
         return self._jvp_at_zero(
-            direction, lambda i, grad, hyper: adam_delta(self.theta[i], grad, self.state[i], hyper))
+            direction, lambda i, grad, hyper: adam_delta(self.theta[i], grad, self.state[i], hyper)
+        )
 
 
 def adam_delta(theta: Tensor, grad: Tensor, state: dict[str, Tensor], hyper: dict) -> Tensor:
@@ -165,8 +185,8 @@ def adam_delta(theta: Tensor, grad: Tensor, state: dict[str, Tensor], hyper: dic
     exp_avg_sq = state["exp_avg_sq"] * beta2 + (1 - beta2) * grad * grad
     if hyper.get("amsgrad", False):
         exp_avg_sq = torch.maximum(state["max_exp_avg_sq"], exp_avg_sq)
-    bias_correction1 = 1 - beta1 ** step
-    bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
     denom = _sqrt_flat_at_zero(exp_avg_sq) / bias_correction2_sqrt + eps
     return param - (lr / bias_correction1) * exp_avg / denom - theta
 
@@ -193,20 +213,31 @@ class SGDStep(OptimizerStep):
         grads = self._check(grads)
         out: list[Tensor] = []
         for g in self.groups:
-            params = [t.clone() for t in self.theta[g.start:g.stop]]
+            params = [t.clone() for t in self.theta[g.start : g.stop]]
             h = g.hyper
-            buffers = ([None if b is None else b.clone() for b in self.buffers[g.start:g.stop]]
-                       if h["momentum"] != 0 else [])
+            buffers = (
+                [None if b is None else b.clone() for b in self.buffers[g.start : g.stop]] if h["momentum"] != 0 else []
+            )
             sgd_kernel(
-                params, grads[g.start:g.stop], buffers, foreach=h.get("foreach"), fused=h.get("fused"),
-                weight_decay=h["weight_decay"], momentum=h["momentum"], lr=h["lr"],
-                dampening=h["dampening"], nesterov=h["nesterov"], maximize=h.get("maximize", False))
-            out.extend(p.sub_(t) for p, t in zip(params, self.theta[g.start:g.stop]))
+                params,
+                grads[g.start : g.stop],
+                buffers,
+                foreach=h.get("foreach"),
+                fused=h.get("fused"),
+                weight_decay=h["weight_decay"],
+                momentum=h["momentum"],
+                lr=h["lr"],
+                dampening=h["dampening"],
+                nesterov=h["nesterov"],
+                maximize=h.get("maximize", False),
+            )
+            out.extend(p.sub_(t) for p, t in zip(params, self.theta[g.start : g.stop]))
         return out
 
     def linear(self, direction: Sequence[Tensor]) -> list[Tensor]:
         return self._jvp_at_zero(
-            direction, lambda i, grad, hyper: sgd_delta(self.theta[i], grad, self.buffers[i], hyper))
+            direction, lambda i, grad, hyper: sgd_delta(self.theta[i], grad, self.buffers[i], hyper)
+        )
 
 
 def sgd_delta(theta: Tensor, grad: Tensor, buffer: Tensor | None, hyper: dict) -> Tensor:

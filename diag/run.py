@@ -112,9 +112,16 @@ class DiagnoseConfig:
         self.options(grad_clip=None, precision="fp32")
 
     def options(self, grad_clip: float | None, precision: str) -> DiagnosticOptions:
-        return DiagnosticOptions(update_depths=self.update_depths, serving_depths=self.serving_depths,
-                                 isolate=self.isolate, rms_match=self.rms_match, lr=self.lr,
-                                 grad_clip=grad_clip, precision=precision, eval_batch_size=self.eval_batch_size)
+        return DiagnosticOptions(
+            update_depths=self.update_depths,
+            serving_depths=self.serving_depths,
+            isolate=self.isolate,
+            rms_match=self.rms_match,
+            lr=self.lr,
+            grad_clip=grad_clip,
+            precision=precision,
+            eval_batch_size=self.eval_batch_size,
+        )
 
 
 @dataclass(frozen=True)
@@ -151,27 +158,42 @@ def _entries(config: DiagnoseConfig) -> list[_Entry]:
             first = snap
         elif snap.config.model != first.config.model:
             diff = sorted(k for k, v in snap.config.model.to_dict().items() if first.config.model.to_dict()[k] != v)
-            raise InputError(f"{path}: model config differs from {first.path} ({', '.join(diff)}); "
-                             "diagnose snapshots of one model at a time")
+            raise InputError(
+                f"{path}: model config differs from {first.path} ({', '.join(diff)}); "
+                "diagnose snapshots of one model at a time"
+            )
         eval_set = _resolve_eval_set(config.eval_set, snap)
         if entries and eval_set != entries[0].eval_set:
-            raise InputError(f"{path}: --eval-set auto means {eval_set!r} here but {entries[0].eval_set!r} for "
-                             f"{entries[0].path}; diagnose one kind of run at a time or name the set")
+            raise InputError(
+                f"{path}: --eval-set auto means {eval_set!r} here but {entries[0].eval_set!r} for "
+                f"{entries[0].path}; diagnose one kind of run at a time or name the set"
+            )
         carried = None if snap.batches is None else int(snap.batches.shape[0])
         wanted = config.batches or (carried if carried is not None else snap.config.train.snapshot_batches)
         if carried is not None and wanted > carried:
             raise InputError(f"{path}: carries {carried} batches, --batches asks for {wanted}")
-        entries.append(_Entry(name=Path(path).stem, path=str(path), sha256=snap.sha256, step=snap.step,
-                              uniform_updates=snap.uniform_updates,
-                              lr=float(config.lr if config.lr is not None else snap.lr), batches=wanted,
-                              batch_source="data" if carried is None else "snapshot",
-                              config_json=snap.config.to_json(), eval_set=eval_set))
+        entries.append(
+            _Entry(
+                name=Path(path).stem,
+                path=str(path),
+                sha256=snap.sha256,
+                step=snap.step,
+                uniform_updates=snap.uniform_updates,
+                lr=float(config.lr if config.lr is not None else snap.lr),
+                batches=wanted,
+                batch_source="data" if carried is None else "snapshot",
+                config_json=snap.config.to_json(),
+                eval_set=eval_set,
+            )
+        )
         del snap
     names = [e.name for e in entries]
     for entry in entries:
         if names.count(entry.name) > 1:
-            raise InputError(f"{entry.path}: another snapshot has the same file name {entry.name!r}; "
-                             "the name labels the snapshot in the results")
+            raise InputError(
+                f"{entry.path}: another snapshot has the same file name {entry.name!r}; "
+                "the name labels the snapshot in the results"
+            )
     return sorted(entries, key=lambda e: (e.uniform_updates, e.step))
 
 
@@ -180,20 +202,27 @@ def _resolve_eval_set(choice: str, snap: Snapshot) -> str:
     if choice == "auto":
         return "attributes" if bios else "snapshot"
     if choice == "attributes" and not bios:
-        raise InputError(f"{snap.path}: --eval-set attributes needs a bioS run, this one reads "
-                         f"data.source={snap.config.data.source!r}")
+        raise InputError(
+            f"{snap.path}: --eval-set attributes needs a bioS run, this one reads "
+            f"data.source={snap.config.data.source!r}"
+        )
     return choice
 
 
 def _manifest(config: DiagnoseConfig, entries: list[_Entry], device: torch.device) -> dict:
     """Everything that determines the results, to the last bit: a resumed run must agree
     on all of it (the device too, as kernels differ in their rounding)."""
-    settings = {k: v for k, v in asdict(config).items() if k in ("update_depths", "serving_depths", "isolate",
-                                                                  "rms_match", "lr", "eval_batch_size",
-                                                                  "eval_set")}
+    settings = {
+        k: v
+        for k, v in asdict(config).items()
+        if k in ("update_depths", "serving_depths", "isolate", "rms_match", "lr", "eval_batch_size", "eval_set")
+    }
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
-    return {"settings": settings, "device": device.type,
-            "snapshots": [{"name": e.name, "sha256": e.sha256, "batches": e.batches} for e in entries]}
+    return {
+        "settings": settings,
+        "device": device.type,
+        "snapshots": [{"name": e.name, "sha256": e.sha256, "batches": e.batches} for e in entries],
+    }
 
 
 def _part_path(parts: Path, entry: _Entry, batch: int) -> Path:
@@ -211,16 +240,19 @@ def _prepare(config: DiagnoseConfig, manifest: dict, out: Path, parts: Path) -> 
         if config.force:
             shutil.rmtree(parts)
         elif not config.resume:
-            raise InputError(f"{parts}: an unfinished diagnose run is here; pass --resume to continue it "
-                             "or --force to start over")
+            raise InputError(
+                f"{parts}: an unfinished diagnose run is here; pass --resume to continue it or --force to start over"
+            )
         else:
             try:
                 stored = json.loads((parts / MANIFEST).read_text(encoding="utf-8"))
             except (OSError, json.JSONDecodeError):
                 raise InputError(f"{parts}: no readable {MANIFEST}; pass --force to start over") from None
             if stored != manifest:
-                raise InputError(f"{parts}: the unfinished run used other settings or snapshot files; "
-                                 "rerun it with those or pass --force to start over")
+                raise InputError(
+                    f"{parts}: the unfinished run used other settings or snapshot files; "
+                    "rerun it with those or pass --force to start over"
+                )
             return True
     if out.exists() and not config.force:
         if config.resume and _finished_manifest(out) == manifest:
@@ -260,16 +292,16 @@ def _run_units(config: DiagnoseConfig, entries: list[_Entry], parts: Path, devic
     todo = {e.name: [i for i in range(e.batches) if not _part_path(parts, e, i).exists()] for e in entries}
     total = sum(e.batches for e in entries)
     done = total - sum(len(v) for v in todo.values())
-    with progress_bar(total, f"diagnose {config.out}", "unit", initial=done,
-                      enabled=config.progress) as bar:
+    with progress_bar(total, f"diagnose {config.out}", "unit", initial=done, enabled=config.progress) as bar:
         for entry in entries:
             if not todo[entry.name]:
                 continue
             snap = _load_again(entry)
             model = snap.model(device)
             optimizer = snap.optimizer(model)
-            options = config.options(grad_clip=snap.config.optim.grad_clip or None,
-                                     precision=snap.config.train.precision)
+            options = config.options(
+                grad_clip=snap.config.optim.grad_clip or None, precision=snap.config.train.precision
+            )
             eval_tokens, eval_mask = _evaluation_set(config, snap)
             diagnostic = UpdateDiagnostic(model, optimizer, eval_tokens, options, eval_mask=eval_mask)
             warning = _bias_correction_warning(entry, optimizer)
@@ -301,15 +333,22 @@ def _bias_correction_warning(entry: _Entry, optimizer: torch.optim.Optimizer) ->
     taken = min(steps) if steps else 0.0
     if taken >= 3 / (1 - beta2):
         return None
-    return (f"warning: {entry.path}: the optimizer has taken {taken:.0f} steps (< 3 / (1 - beta2) = "
-            f"{3 / (1 - beta2):.0f}); bias correction makes its updates sign-like, so the diagnostic reflects "
-            "normalisation more than curvature (docs/diagnostic.md)")
+    return (
+        f"warning: {entry.path}: the optimizer has taken {taken:.0f} steps (< 3 / (1 - beta2) = "
+        f"{3 / (1 - beta2):.0f}); bias correction makes its updates sign-like, so the diagnostic reflects "
+        "normalisation more than curvature (docs/diagnostic.md)"
+    )
 
 
 def _git_commit() -> str:
     try:
-        result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
-                                capture_output=True, text=True, timeout=10)
+        result = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return result.stdout.strip() if result.returncode == 0 else "unknown"
@@ -344,31 +383,42 @@ def _assemble(config: DiagnoseConfig, entries: list[_Entry], manifest: dict, par
                 arrays[name][s, b] = unit[name].values
     variables = {name: (dims[name], arrays[name]) for name in arrays}
     variables["nll_before"] = (("snapshot", "serving_depth"), nll_before)
-    coords = {"snapshot": [e.name for e in entries],
-              "uniform_updates": ("snapshot", np.array([e.uniform_updates for e in entries], dtype=np.int64)),
-              "step": ("snapshot", np.array([e.step for e in entries], dtype=np.int64)),
-              "lr": ("snapshot", np.array([e.lr for e in entries], dtype=np.float64)),
-              "batch": np.arange(n_batch, dtype=np.int64),
-              "update_depth": np.array(config.update_depths, dtype=np.int64),
-              "serving_depth": np.array(config.serving_depths, dtype=np.int64)}
+    coords = {
+        "snapshot": [e.name for e in entries],
+        "uniform_updates": ("snapshot", np.array([e.uniform_updates for e in entries], dtype=np.int64)),
+        "step": ("snapshot", np.array([e.step for e in entries], dtype=np.int64)),
+        "lr": ("snapshot", np.array([e.lr for e in entries], dtype=np.float64)),
+        "batch": np.arange(n_batch, dtype=np.int64),
+        "update_depth": np.array(config.update_depths, dtype=np.int64),
+        "serving_depth": np.array(config.serving_depths, dtype=np.int64),
+    }
     configs = {e.name: e.config_json for e in entries}
-    attrs = {"config": entries[0].config_json,
-             "isolate": config.isolate, "rms_match": config.rms_match, "eval_set": config.eval_set,
-             "lr_override": float(config.lr) if config.lr is not None else "none",
-             "optimizer": str(unit_attrs["optimizer"]), "grad_clip": float(unit_attrs["grad_clip"]),
-             "precision": str(unit_attrs["precision"]),
-             "depthdiag_version": _version(), "torch_version": str(torch.__version__), "git_commit": _git_commit(),
-             "snapshot_sha256": json.dumps({e.name: e.sha256 for e in entries}, sort_keys=True),
-             "snapshot_paths": json.dumps({e.name: e.path for e in entries}, sort_keys=True),
-             "batch_source": json.dumps({e.name: e.batch_source for e in entries}, sort_keys=True),
-             "diagnose_manifest": json.dumps(manifest, sort_keys=True),
-             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    attrs = {
+        "config": entries[0].config_json,
+        "isolate": config.isolate,
+        "rms_match": config.rms_match,
+        "eval_set": config.eval_set,
+        "lr_override": float(config.lr) if config.lr is not None else "none",
+        "optimizer": str(unit_attrs["optimizer"]),
+        "grad_clip": float(unit_attrs["grad_clip"]),
+        "precision": str(unit_attrs["precision"]),
+        "depthdiag_version": _version(),
+        "torch_version": str(torch.__version__),
+        "git_commit": _git_commit(),
+        "snapshot_sha256": json.dumps({e.name: e.sha256 for e in entries}, sort_keys=True),
+        "snapshot_paths": json.dumps({e.name: e.path for e in entries}, sort_keys=True),
+        "batch_source": json.dumps({e.name: e.batch_source for e in entries}, sort_keys=True),
+        "diagnose_manifest": json.dumps(manifest, sort_keys=True),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
     if len(set(configs.values())) > 1:
         attrs["snapshot_configs"] = json.dumps({k: json.loads(v) for k, v in configs.items()}, sort_keys=True)
     ds = xr.Dataset(variables, coords=coords, attrs=attrs)
-    ds["benefit"].attrs["description"] = (f"nll after the update at depth {config.update_depths[0]} minus nll "
-                                          f"after the update at depth {config.update_depths[-1]}; positive "
-                                          "favours the deeper update")
+    ds["benefit"].attrs["description"] = (
+        f"nll after the update at depth {config.update_depths[0]} minus nll "
+        f"after the update at depth {config.update_depths[-1]}; positive "
+        "favours the deeper update"
+    )
     return ds
 
 

@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.bios import (ATTRIBUTES, SEP, BiosSource, BiosSpec, logits_by_depth, recall_bits,
-                          score_recall)
+from trainer.bios import ATTRIBUTES, SEP, BiosSource, BiosSpec, logits_by_depth, recall_bits, score_recall
 from trainer.config import load_config
 from trainer.data import TokenSource, build_source
 from trainer.model import LoopedTransformer, ModelConfig
@@ -49,10 +48,12 @@ def test_sequences_follow_the_appendix_tables(source):
     spec = source.spec
     person = 7
     for template in range(spec.templates):
-        assert source.training_sequence(person, template).tolist() == \
-            expected_bio(source, person, template, spec.training_orders[template])
-        assert source.evaluation_sequence(person, template).tolist() == \
-            expected_bio(source, person, template, spec.evaluation_orders[template])
+        assert source.training_sequence(person, template).tolist() == expected_bio(
+            source, person, template, spec.training_orders[template]
+        )
+        assert source.evaluation_sequence(person, template).tolist() == expected_bio(
+            source, person, template, spec.evaluation_orders[template]
+        )
 
     # Table 1: training presents the employer before the birth city, evaluation the birth
     # city first; names and the birth city's value are several tokens.
@@ -69,8 +70,8 @@ def test_sequences_follow_the_appendix_tables(source):
     # the same fact sits elsewhere in the training sequence, followed by the same answer
     training_tokens = source.training_sequence(person, 0).tolist()
     at = training_tokens.index(spec.relation_token(0, CITY))
-    assert training_tokens[at + 1:at + 1 + len(answer)] == answer.tolist()
-    assert training_tokens[:len(prompt)] != prompt.tolist()
+    assert training_tokens[at + 1 : at + 1 + len(answer)] == answer.tolist()
+    assert training_tokens[: len(prompt)] != prompt.tolist()
 
 
 def test_templates_differ_in_order_and_wording():
@@ -116,8 +117,10 @@ def fact_order(source: BiosSource, bio: list[int]) -> tuple[tuple[int, ...], set
 
 def test_batches_and_eval_tokens_pack_training_bios(source):
     spec = source.spec
-    for tokens, orders in ((source.batch(5, 2, 8, 64), spec.training_orders),
-                           (source.eval_tokens(8, 64), spec.training_orders)):
+    for tokens, orders in (
+        (source.batch(5, 2, 8, 64), spec.training_orders),
+        (source.eval_tokens(8, 64), spec.training_orders),
+    ):
         assert tokens.shape == (8, 65) and tokens.dtype == torch.int64
         for row in tokens.tolist():
             assert row[0] == SEP
@@ -164,14 +167,14 @@ class AnswerKeyModel(torch.nn.Module):
         spec, key = self.source.spec, self.keys[depth]
         predicted = input_ids.roll(-1, dims=1).clone()  # [B, T]
         for row, tokens in enumerate(input_ids.tolist()):
-            person = self.person_of[tuple(tokens[1:1 + spec.name_length])]
+            person = self.person_of[tuple(tokens[1 : 1 + spec.name_length])]
             for i, token in enumerate(tokens):
                 if SEP < token < spec.first_name_token:
                     wording, attribute = divmod(token - 1, len(ATTRIBUTES))
                     value = key[person, attribute] + ((attribute, wording) in self.wrong)
                     spellings = self.source.value_spellings[attribute]
                     spelling = spellings[value % len(spellings)]
-                    predicted[row, i:i + len(spelling)] = torch.as_tensor(spelling)
+                    predicted[row, i : i + len(spelling)] = torch.as_tensor(spelling)
         return torch.nn.functional.one_hot(predicted, self.source.vocab_size).float()  # [B, T, V]
 
 

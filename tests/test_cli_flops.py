@@ -8,12 +8,16 @@ from click.testing import CliRunner
 from diag.cli import main
 
 # The paper's Table 3 and section 4 numbers, used only as references with tolerances.
-PAPER_200M = {"fixed-first:k0=2,switch=0.67,finish=uniform:1-16": 0.547,
-              "fixed-first:k0=2,switch=0.8,finish=uniform:1-16": 0.457,
-              "fixed-first:k0=4,switch=0.67,finish=uniform:1-16": 0.687,
-              "fixed-first:k0=4,switch=0.8,finish=uniform:1-16": 0.624}
-PAPER_1B = {"fixed-first:k0=4,switch=0.67,finish=uniform:1-16": 0.692,
-            "fixed-first:k0=4,switch=0.8,finish=uniform:1-16": 0.631}
+PAPER_200M = {
+    "fixed-first:k0=2,switch=0.67,finish=uniform:1-16": 0.547,
+    "fixed-first:k0=2,switch=0.8,finish=uniform:1-16": 0.457,
+    "fixed-first:k0=4,switch=0.67,finish=uniform:1-16": 0.687,
+    "fixed-first:k0=4,switch=0.8,finish=uniform:1-16": 0.624,
+}
+PAPER_1B = {
+    "fixed-first:k0=4,switch=0.67,finish=uniform:1-16": 0.692,
+    "fixed-first:k0=4,switch=0.8,finish=uniform:1-16": 0.631,
+}
 PAPER_MATCHED_UNIFORM_UPDATES = 3296
 ONE_POINT = 0.01  # one percentage point of uniform's compute
 MATCH_TOLERANCE = 0.01  # relative, on the matched run's update count
@@ -63,8 +67,17 @@ def test_matched_uniform_run_for_the_200m_config_schedule():
 
 
 def test_table_output_lists_every_schedule_and_the_match():
-    code, out, err = run("flops", "configs/tiny.toml", "--schedule", "fixed:4", "--schedule", "uniform",
-                         "--match", "fixed:16", "--include-embeddings")
+    code, out, err = run(
+        "flops",
+        "configs/tiny.toml",
+        "--schedule",
+        "fixed:4",
+        "--schedule",
+        "uniform",
+        "--match",
+        "fixed:16",
+        "--include-embeddings",
+    )
     assert code == 0, err
     assert "fixed:4" in out and "uniform:1-16" in out and "match: fixed:16 over" in out
     assert "LM head included" in out

@@ -10,27 +10,32 @@ def test_tiny_config_round_trips_through_json():
 
 
 def test_overrides_parse_toml_literals():
-    config = load_config("configs/tiny.toml", ["train.updates=12", "train.schedule=fixed:4",
-                                               "train.snapshot_uniform_updates=[0, 4]", "model.d_model=64"])
+    config = load_config(
+        "configs/tiny.toml",
+        ["train.updates=12", "train.schedule=fixed:4", "train.snapshot_uniform_updates=[0, 4]", "model.d_model=64"],
+    )
     assert config.train.updates == 12
     assert config.train.schedule == "fixed:4"
     assert config.train.snapshot_uniform_updates == (0, 4)
     assert config.model.d_model == 64
 
 
-@pytest.mark.parametrize("text, message", [
-    ("[model]\nwidth = 3\n", "unknown key"),
-    ("[trainer]\nupdates = 3\n", "unknown config section"),
-    ("[model]\nd_model = 30\nn_heads = 4\n", "divide"),
-    ("[train]\nseq_len = 999\n", "max_seq_len"),
-    ("[model\n", "invalid TOML"),
-    ('[train]\nschedule = "fixed:0"\n', "train.schedule: schedule 'fixed:0'"),
-    ("[train]\nupdates = 100.5\n", "train.updates must be int"),
-    ('[train]\nupdates = "many"\n', "train.updates must be int"),
-    ("[model]\nd_model = 128.0\n", "model.d_model must be int"),
-    ("[model]\ntie_embeddings = 1\n", "model.tie_embeddings must be bool"),
-    ("[train]\nsnapshot_uniform_updates = [0, 1.5]\n", "must be a list of integers"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[model]\nwidth = 3\n", "unknown key"),
+        ("[trainer]\nupdates = 3\n", "unknown config section"),
+        ("[model]\nd_model = 30\nn_heads = 4\n", "divide"),
+        ("[train]\nseq_len = 999\n", "max_seq_len"),
+        ("[model\n", "invalid TOML"),
+        ('[train]\nschedule = "fixed:0"\n', "train.schedule: schedule 'fixed:0'"),
+        ("[train]\nupdates = 100.5\n", "train.updates must be int"),
+        ('[train]\nupdates = "many"\n', "train.updates must be int"),
+        ("[model]\nd_model = 128.0\n", "model.d_model must be int"),
+        ("[model]\ntie_embeddings = 1\n", "model.tie_embeddings must be bool"),
+        ("[train]\nsnapshot_uniform_updates = [0, 1.5]\n", "must be a list of integers"),
+    ],
+)
 def test_bad_config_names_the_file(tmp_path, text, message):
     path = tmp_path / "bad.toml"
     path.write_text(text)
@@ -44,8 +49,7 @@ def test_missing_config_file(tmp_path):
         load_config(tmp_path / "absent.toml")
 
 
-@pytest.mark.parametrize("assignment", ["updates=3", "train.nope=1", "nosection.x=1", "train.seed=-1",
-                                        "data.seed=-2"])
+@pytest.mark.parametrize("assignment", ["updates=3", "train.nope=1", "nosection.x=1", "train.seed=-1", "data.seed=-2"])
 def test_bad_override(assignment):
     with pytest.raises(InputError):
         load_config("configs/tiny.toml", [assignment])

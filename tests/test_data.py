@@ -20,7 +20,7 @@ def write_bins(directory, train, val, dtype="uint16", meta=None):
 def is_window(row: torch.Tensor, tokens: np.ndarray) -> bool:
     """Whether `row` is a contiguous slice of `tokens` (whose values are all distinct)."""
     start = int(np.flatnonzero(tokens == int(row[0]))[0])
-    return np.array_equal(tokens[start:start + len(row)], row.numpy())
+    return np.array_equal(tokens[start : start + len(row)], row.numpy())
 
 
 def test_bin_batches_are_random_windows_of_train_and_eval_windows_of_val(tmp_path):

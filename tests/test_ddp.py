@@ -64,14 +64,29 @@ def test_two_gloo_processes_match_one_process(tmp_path):
     config_path.write_text(CONFIG.format(corpus=corpus))
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-               "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-               "-m", "diag.cli", "train", str(config_path), "--out", str(tmp_path / "ddp"), "--no-progress"]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240,
-                            cwd=Path(__file__).resolve().parents[1])
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        "-m",
+        "diag.cli",
+        "train",
+        str(config_path),
+        "--out",
+        str(tmp_path / "ddp"),
+        "--no-progress",
+    ]
+    result = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=240, cwd=Path(__file__).resolve().parents[1]
+    )
     assert result.returncode == 0, result.stderr[-3000:]
 
     from trainer.config import load_config
+
     config = load_config(config_path)
     train(config, tmp_path / "single", progress=False)
 
@@ -83,8 +98,12 @@ def test_two_gloo_processes_match_one_process(tmp_path):
     assert "rank_depths" not in single[0]
 
     # Rank 0 alone wrote the files, with the same checkpoints and snapshots as one process.
-    for relative in ("checkpoints/step_000004.pt", "checkpoints/step_000008.pt",
-                     "snapshots/u0000_step000004.pt", "snapshots/u0002_step000006.pt"):
+    for relative in (
+        "checkpoints/step_000004.pt",
+        "checkpoints/step_000008.pt",
+        "snapshots/u0000_step000004.pt",
+        "snapshots/u0002_step000006.pt",
+    ):
         a, b = load_snapshot(tmp_path / "ddp" / relative), load_snapshot(tmp_path / "single" / relative)
         assert a.step == b.step
         for name, tensor in a.model_state.items():

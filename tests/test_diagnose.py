@@ -30,11 +30,12 @@ UPDATE_DEPTHS, SERVING = (2, 5), (1, 2, 3, 5, 8)
 
 
 def run_config(d_model=32):
-    return RunConfig(model=ModelConfig(vocab_size=200, max_seq_len=SEQ, d_model=d_model, n_heads=2, n_prelude=1,
-                                       n_core=1, n_coda=1),
-                     data=DataConfig(bios_people=20, eval_sequences=8),
-                     optim=OptimConfig(lr=1e-2, grad_clip=1.0, warmup=0),
-                     train=TrainConfig(batch_size=BATCH, seq_len=SEQ, snapshot_batches=CARRIED, seed=3))
+    return RunConfig(
+        model=ModelConfig(vocab_size=200, max_seq_len=SEQ, d_model=d_model, n_heads=2, n_prelude=1, n_core=1, n_coda=1),
+        data=DataConfig(bios_people=20, eval_sequences=8),
+        optim=OptimConfig(lr=1e-2, grad_clip=1.0, warmup=0),
+        train=TrainConfig(batch_size=BATCH, seq_len=SEQ, snapshot_batches=CARRIED, seed=3),
+    )
 
 
 def write_run(directory: Path, config=None):
@@ -51,18 +52,34 @@ def write_run(directory: Path, config=None):
     for step in range(5):
         if step in (2, 4):
             batches = torch.stack([source.batch(config.train.seed, step + i, BATCH, SEQ) for i in range(CARRIED)])
-            paths[step] = save_snapshot(directory / f"snap-u{step - 2:02d}.pt", config=config, step=step,
-                                        uniform_updates=step - 2, model=model, optimizer=optimizer, lr=7e-3,
-                                        batches=batches, eval_tokens=eval_tokens)
+            paths[step] = save_snapshot(
+                directory / f"snap-u{step - 2:02d}.pt",
+                config=config,
+                step=step,
+                uniform_updates=step - 2,
+                model=model,
+                optimizer=optimizer,
+                lr=7e-3,
+                batches=batches,
+                eval_tokens=eval_tokens,
+            )
         batch = source.batch(config.train.seed, step, BATCH, SEQ)
         logits = model(batch[:, :-1], depth=2 + step % 3)
         F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    paths["checkpoint"] = save_checkpoint(directory / "ckpt-000005.pt", config=config, step=5, uniform_updates=3,
-                                          model=model, optimizer=optimizer, lr=5e-3, eval_tokens=eval_tokens,
-                                          progress={"tokens": 0.0})
+    paths["checkpoint"] = save_checkpoint(
+        directory / "ckpt-000005.pt",
+        config=config,
+        step=5,
+        uniform_updates=3,
+        model=model,
+        optimizer=optimizer,
+        lr=5e-3,
+        eval_tokens=eval_tokens,
+        progress={"tokens": 0.0},
+    )
     return paths
 
 
@@ -74,14 +91,29 @@ def run(tmp_path_factory):
 def expected_unit(path, batch, **kwargs):
     snap = load_snapshot(path)
     model = snap.model()
-    return diag.compare_updates(model, snap.optimizer(model), batch, snap.eval_tokens, update_depths=UPDATE_DEPTHS,
-                                serving_depths=SERVING, grad_clip=snap.config.optim.grad_clip, **kwargs)
+    return diag.compare_updates(
+        model,
+        snap.optimizer(model),
+        batch,
+        snap.eval_tokens,
+        update_depths=UPDATE_DEPTHS,
+        serving_depths=SERVING,
+        grad_clip=snap.config.optim.grad_clip,
+        **kwargs,
+    )
 
 
 def test_results_file_follows_the_schema_and_matches_compare_updates(run, tmp_path):
     out = tmp_path / "results.h5"
-    config = DiagnoseConfig(snapshots=(str(run[4]), str(run[2])), out=str(out), update_depths=UPDATE_DEPTHS,
-                            serving_depths=SERVING, batches=2, eval_set="snapshot", progress=False)
+    config = DiagnoseConfig(
+        snapshots=(str(run[4]), str(run[2])),
+        out=str(out),
+        update_depths=UPDATE_DEPTHS,
+        serving_depths=SERVING,
+        batches=2,
+        eval_set="snapshot",
+        progress=False,
+    )
     assert diagnose(config) == out
     assert not out.with_name("results.h5.parts").exists()
     ds = open_results(out)
@@ -107,8 +139,18 @@ def test_results_file_follows_the_schema_and_matches_compare_updates(run, tmp_pa
 
 def test_checkpoints_draw_the_runs_next_batches(run, tmp_path):
     out = tmp_path / "ckpt.h5"
-    diagnose(DiagnoseConfig(snapshots=(str(run["checkpoint"]),), out=str(out), update_depths=UPDATE_DEPTHS,
-                            serving_depths=SERVING, batches=2, isolate="none", eval_set="snapshot", progress=False))
+    diagnose(
+        DiagnoseConfig(
+            snapshots=(str(run["checkpoint"]),),
+            out=str(out),
+            update_depths=UPDATE_DEPTHS,
+            serving_depths=SERVING,
+            batches=2,
+            isolate="none",
+            eval_set="snapshot",
+            progress=False,
+        )
+    )
     ds = open_results(out)
     cfg = run_config()
     batch = build_source(cfg.data).batch(cfg.train.seed, 5 + 1, BATCH, SEQ)
@@ -119,17 +161,32 @@ def test_checkpoints_draw_the_runs_next_batches(run, tmp_path):
 
 def test_bios_runs_are_scored_on_the_evaluation_presentations_by_default(run, tmp_path):
     out = tmp_path / "attributes.h5"
-    diagnose(DiagnoseConfig(snapshots=(str(run[2]),), out=str(out), update_depths=UPDATE_DEPTHS,
-                            serving_depths=SERVING, batches=1, progress=False))  # eval_set 'auto
+    diagnose(
+        DiagnoseConfig(
+            snapshots=(str(run[2]),),
+            out=str(out),
+            update_depths=UPDATE_DEPTHS,
+            serving_depths=SERVING,
+            batches=1,
+            progress=False,
+        )
+    )  # eval_set 'auto
     ds = open_results(out)
     assert ds.attrs["eval_set"] == "attributes"
     cfg = run_config()
     tokens, mask = build_source(cfg.data).attribute_eval(cfg.data.eval_sequences, SEQ)
     snap = load_snapshot(run[2])
     model = snap.model()
-    unit = diag.compare_updates(model, snap.optimizer(model), snap.batches[0], tokens, eval_mask=mask,
-                                update_depths=UPDATE_DEPTHS, serving_depths=SERVING,
-                                grad_clip=snap.config.optim.grad_clip)
+    unit = diag.compare_updates(
+        model,
+        snap.optimizer(model),
+        snap.batches[0],
+        tokens,
+        eval_mask=mask,
+        update_depths=UPDATE_DEPTHS,
+        serving_depths=SERVING,
+        grad_clip=snap.config.optim.grad_clip,
+    )
     np.testing.assert_allclose(ds.nll.values[0, 0], unit.nll.values, rtol=0, atol=1e-9)
 
 
@@ -137,9 +194,12 @@ def test_attribute_evaluation_set_needs_a_bios_run_and_auto_takes_the_snapshots_
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("a few words of text, repeated. " * 40, encoding="utf-8")
     config = run_config()
-    config = RunConfig(model=ModelConfig(**{**config.model.to_dict(), "vocab_size": 256}),
-                       data=DataConfig(source="text", path=str(corpus), eval_sequences=4),
-                       optim=config.optim, train=config.train)
+    config = RunConfig(
+        model=ModelConfig(**{**config.model.to_dict(), "vocab_size": 256}),
+        data=DataConfig(source="text", path=str(corpus), eval_sequences=4),
+        optim=config.optim,
+        train=config.train,
+    )
     paths = write_run(tmp_path, config)
     result = cli(paths[2], "--out", tmp_path / "r.h5", "--eval-set", "attributes")
     assert result.exit_code == 2 and "needs a bioS run" in result.output
@@ -211,8 +271,12 @@ def test_killed_run_resumed_equals_uninterrupted_run(run, tmp_path, monkeypatch)
     parts = tmp_path / "killed.h5.parts"
     # The same thread count as this process: float reductions may group differently otherwise.
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    proc = subprocess.Popen([sys.executable, "-m", "diag.cli", "diagnose", *map(str, args), "--out", str(out)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "diag.cli", "diagnose", *map(str, args), "--out", str(out)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
         if len(finished_parts(parts)) >= 2:
@@ -228,7 +292,9 @@ def test_killed_run_resumed_equals_uninterrupted_run(run, tmp_path, monkeypatch)
     assert result.exit_code == 2 and "--resume" in result.output
     computed = []
     compare = diag.UpdateDiagnostic.compare
-    monkeypatch.setattr(diag.UpdateDiagnostic, "compare", lambda self, batch: computed.append(1) or compare(self, batch))
+    monkeypatch.setattr(
+        diag.UpdateDiagnostic, "compare", lambda self, batch: computed.append(1) or compare(self, batch)
+    )
     assert cli(*args, "--out", out, "--resume").exit_code == 0
     assert len(computed) == 2 * CARRIED - finished  # finished units are reused, not recomputed
     assert not parts.exists()

@@ -26,8 +26,9 @@ CLIP = 0.5
 
 def tiny_model(seed=0):
     torch.manual_seed(seed)
-    model = LoopedTransformer(ModelConfig(vocab_size=VOCAB, max_seq_len=SEQ, d_model=32, n_heads=2,
-                                          n_prelude=1, n_core=1, n_coda=1))
+    model = LoopedTransformer(
+        ModelConfig(vocab_size=VOCAB, max_seq_len=SEQ, d_model=32, n_heads=2, n_prelude=1, n_core=1, n_coda=1)
+    )
     with torch.no_grad():
         # The identity initialisation ignores the state, which would make every depth alike.
         model.adapter.weight.normal_(0, 0.3)
@@ -59,6 +60,7 @@ def adamw_setup(steps=3, lr=1e-2):
 
 
 # --- the independent reference --------------------------------------------------------------
+
 
 def reference_delta(model, optimizer, batch, depth, depth_kwarg, clip):
     """Delta for the gradient at `depth` (None: a zero gradient), by stepping deep copies."""
@@ -105,11 +107,20 @@ def reference_unit(model, optimizer, batch, eval_tokens, depths, serving, depth_
 
 # --- tests ----------------------------------------------------------------------------------
 
+
 def test_unit_matches_hand_reference_at_every_serving_depth():
     model, opt = adamw_setup()
     batch, eval_tokens = tokens(4, 1), tokens(6, 2)
-    ds = diag.compare_updates(model, opt, batch, eval_tokens, update_depths=UPDATE_DEPTHS, serving_depths=SERVING,
-                              grad_clip=CLIP, eval_batch_size=4)
+    ds = diag.compare_updates(
+        model,
+        opt,
+        batch,
+        eval_tokens,
+        update_depths=UPDATE_DEPTHS,
+        serving_depths=SERVING,
+        grad_clip=CLIP,
+        eval_batch_size=4,
+    )
     nll, raw, updates = reference_unit(model, opt, batch, eval_tokens, UPDATE_DEPTHS, SERVING)
     np.testing.assert_allclose(ds.nll.values, nll, rtol=0, atol=2e-6)
     # The benefit is a difference of nearby NLLs: compare it on its own scale.
@@ -128,8 +139,9 @@ def test_unit_matches_hand_reference_at_every_serving_depth():
 def test_updates_match_torch_steps_and_reference_rms_matching():
     model, opt = adamw_setup()
     batch = tokens(4, 3)
-    diagnostic = UpdateDiagnostic(model, opt, tokens(4, 4), DiagnosticOptions(update_depths=UPDATE_DEPTHS,
-                                                                               grad_clip=CLIP))
+    diagnostic = UpdateDiagnostic(
+        model, opt, tokens(4, 4), DiagnosticOptions(update_depths=UPDATE_DEPTHS, grad_clip=CLIP)
+    )
     names = diagnostic.stepped
     delta0 = reference_delta(model, opt, batch, None, "depth", CLIP)
     for a, name in zip(diagnostic.delta0, names):
@@ -174,8 +186,16 @@ def test_compare_updates_leaves_model_and_optimizer_bitwise_unchanged():
     before_buffers = {n: b.clone() for n, b in model.named_buffers()}
     before_opt = copy.deepcopy(opt.state_dict())
     for isolate in ("counterfactual", "none", "linear"):
-        diag.compare_updates(model, opt, tokens(4, 5), tokens(4, 6), update_depths=UPDATE_DEPTHS,
-                             serving_depths=(1, 3), isolate=isolate, grad_clip=CLIP)
+        diag.compare_updates(
+            model,
+            opt,
+            tokens(4, 5),
+            tokens(4, 6),
+            update_depths=UPDATE_DEPTHS,
+            serving_depths=(1, 3),
+            isolate=isolate,
+            grad_clip=CLIP,
+        )
     for n, p in model.named_parameters():
         assert torch.equal(p, before_params[n])
         assert (p.grad is None) == (before_grads[n] is None)
@@ -192,8 +212,9 @@ def test_compare_updates_leaves_model_and_optimizer_bitwise_unchanged():
 
 def test_more_than_two_update_depths_give_benefit_against_each():
     model, opt = adamw_setup()
-    ds = diag.compare_updates(model, opt, tokens(4, 7), tokens(4, 8), update_depths=(2, 4, 6),
-                              serving_depths=(1, 2, 6), rms_match="geomean")
+    ds = diag.compare_updates(
+        model, opt, tokens(4, 7), tokens(4, 8), update_depths=(2, 4, 6), serving_depths=(1, 2, 6), rms_match="geomean"
+    )
     assert ds.benefit_all.dims == ("update_depth", "serving_depth")
     np.testing.assert_array_equal(ds.benefit_all.values, ds.nll.values[0] - ds.nll.values)
     np.testing.assert_array_equal(ds.benefit.values, ds.benefit_all.values[-1])
@@ -236,8 +257,17 @@ def test_huginn_style_model_runs_with_num_steps():
     trained(model, opt, 2, depth_kwarg="num_steps")
     calls = int(model.calls)
     batch, eval_tokens = tokens(4, 9), tokens(5, 10)
-    ds = diag.compare_updates(model, opt, batch, eval_tokens, update_depths=(1, 4), serving_depths=(1, 2, 4, 8),
-                              depth_kwarg="num_steps", grad_clip=CLIP, eval_batch_size=2)
+    ds = diag.compare_updates(
+        model,
+        opt,
+        batch,
+        eval_tokens,
+        update_depths=(1, 4),
+        serving_depths=(1, 2, 4, 8),
+        depth_kwarg="num_steps",
+        grad_clip=CLIP,
+        eval_batch_size=2,
+    )
     assert int(model.calls) == calls
     nll, _, _ = reference_unit(model, opt, batch, eval_tokens, (1, 4), (1, 2, 4, 8), depth_kwarg="num_steps")
     np.testing.assert_allclose(ds.nll.values, nll, rtol=0, atol=2e-6)
@@ -268,8 +298,17 @@ def test_fresh_adamw_counterfactual_updates_are_lr_sign_like():
 
 def test_linear_isolation_and_bf16_gradients_run():
     model, opt = adamw_setup()
-    ds = diag.compare_updates(model, opt, tokens(4, 14), tokens(4, 15), update_depths=UPDATE_DEPTHS,
-                              serving_depths=(1, 2), isolate="linear", rms_match="per-tensor", precision="bf16")
+    ds = diag.compare_updates(
+        model,
+        opt,
+        tokens(4, 14),
+        tokens(4, 15),
+        update_depths=UPDATE_DEPTHS,
+        serving_depths=(1, 2),
+        isolate="linear",
+        rms_match="per-tensor",
+        precision="bf16",
+    )
     assert np.isfinite(ds.nll.values).all() and ds.attrs["isolate"] == "linear"
 
 
@@ -278,7 +317,7 @@ def test_match_rms_modes():
     updates = [[torch.randn(4, 3, generator=gen) * s, torch.randn(5, generator=gen) * 2 * s] for s in (1.0, 3.0, 0.5)]
     rms = [global_rms(u) for u in updates]
     for u, r in zip(updates, rms):
-        assert r == pytest.approx(math.sqrt(sum(float((t ** 2).sum()) for t in u) / 17))
+        assert r == pytest.approx(math.sqrt(sum(float((t**2).sum()) for t in u) / 17))
     matched, scales = match_rms(updates, "reference")
     assert [global_rms(m) for m in matched] == pytest.approx([rms[0]] * 3)
     matched, _ = match_rms(updates, "geomean")
@@ -294,14 +333,17 @@ def test_match_rms_modes():
     assert match_rms(zero[::-1], "reference")[1] == [1.0, 1.0]
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"update_depths": (4,)}, "at least two"),
-    ({"update_depths": (4, 4)}, "repeat"),
-    ({"serving_depths": (0, 1)}, "positive"),
-    ({"isolate": "partial"}, "isolate"),
-    ({"rms_match": "max"}, "rms_match"),
-    ({"lr": -1.0}, "lr"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"update_depths": (4,)}, "at least two"),
+        ({"update_depths": (4, 4)}, "repeat"),
+        ({"serving_depths": (0, 1)}, "positive"),
+        ({"isolate": "partial"}, "isolate"),
+        ({"rms_match": "max"}, "rms_match"),
+        ({"lr": -1.0}, "lr"),
+    ],
+)
 def test_bad_options_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DiagnosticOptions(**kwargs)
@@ -344,8 +386,16 @@ def test_eval_mask_counts_only_the_marked_targets():
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     batch, eval_tokens = torch.randint(0, 40, (3, 11)), torch.randint(0, 40, (5, 11))
     mask = torch.rand(5, 10) < 0.4
-    ds = diag.compare_updates(model, optimizer, batch, eval_tokens, update_depths=(1, 3), serving_depths=(1, 2, 4),
-                              eval_mask=mask, eval_batch_size=2)
+    ds = diag.compare_updates(
+        model,
+        optimizer,
+        batch,
+        eval_tokens,
+        update_depths=(1, 3),
+        serving_depths=(1, 2, 4),
+        eval_mask=mask,
+        eval_batch_size=2,
+    )
     with torch.no_grad():
         for i, s in enumerate((1, 2, 4)):
             logits = model(eval_tokens[:, :-1], depth=s)

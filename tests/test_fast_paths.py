@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from test_train import read_metrics, text_corpus, tiny_config
+
 from trainer.checkpoint import load_snapshot
 from trainer.train import latest_checkpoint, train
 
@@ -26,16 +26,23 @@ def losses(config, run_dir) -> np.ndarray:
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
     directory = tmp_path_factory.mktemp("plain")
-    config = tiny_config(text_corpus(directory), updates=UPDATES, checkpoint_every=0, snapshot_uniform_updates=[],
-                         schedule="uniform:1-4")
+    config = tiny_config(
+        text_corpus(directory), updates=UPDATES, checkpoint_every=0, snapshot_uniform_updates=[], schedule="uniform:1-4"
+    )
     return directory, losses(config, directory / "run")
 
 
 @pytest.mark.parametrize("setting", [{"precision": "bf16"}, {"compile": True}])
 def test_fast_path_follows_the_plain_loss_trajectory(plain, tmp_path, setting):
     directory, reference = plain
-    config = tiny_config(text_corpus(directory), updates=UPDATES, checkpoint_every=0, snapshot_uniform_updates=[],
-                         schedule="uniform:1-4", **setting)
+    config = tiny_config(
+        text_corpus(directory),
+        updates=UPDATES,
+        checkpoint_every=0,
+        snapshot_uniform_updates=[],
+        schedule="uniform:1-4",
+        **setting,
+    )
     fast = losses(config, tmp_path / "run")
     assert fast.shape == reference.shape
     relative = np.abs(fast - reference) / reference
@@ -51,8 +58,14 @@ def test_compiled_blocks_compile_once_for_every_depth(tmp_path):
 
     torch._dynamo.reset()
     counters.clear()
-    config = tiny_config(text_corpus(tmp_path), updates=12, checkpoint_every=0, snapshot_uniform_updates=[],
-                         schedule="uniform:1-4", compile=True)
+    config = tiny_config(
+        text_corpus(tmp_path),
+        updates=12,
+        checkpoint_every=0,
+        snapshot_uniform_updates=[],
+        schedule="uniform:1-4",
+        compile=True,
+    )
     train(config, tmp_path / "run", progress=False)
     depths = {r["depth"] for r in read_metrics(tmp_path / "run")}
     assert depths == {1, 2, 3, 4}  # every depth was trained...

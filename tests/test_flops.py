@@ -9,8 +9,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from trainer.config import load_config
-from trainer.flops import (eval_flops, iso_flop_updates, mean_depth, nll_by_depth_flops, parameter_counts,
-                           schedule_flops, update_flops)
+from trainer.flops import (
+    eval_flops,
+    iso_flop_updates,
+    mean_depth,
+    nll_by_depth_flops,
+    parameter_counts,
+    schedule_flops,
+    update_flops,
+)
 from trainer.model import LoopedTransformer, ModelConfig
 from trainer.schedules import parse_schedule
 
@@ -34,14 +41,19 @@ def training_update(model: LoopedTransformer, batch: torch.Tensor, depth: int):
     def run():
         logits = model(batch[:, :-1], depth=depth)  # [B, T, V]
         F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
+
     return run
 
 
-@pytest.mark.parametrize("cfg", [
-    TINY,
-    replace(TINY, mlp="swiglu", norm="sandwich"),
-    replace(TINY, injection="add", tie_embeddings=True, n_prelude=0, d_ff=100),
-], ids=["tiny", "swiglu-sandwich", "add-tied-no-prelude"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        TINY,
+        replace(TINY, mlp="swiglu", norm="sandwich"),
+        replace(TINY, injection="add", tie_embeddings=True, n_prelude=0, d_ff=100),
+    ],
+    ids=["tiny", "swiglu-sandwich", "add-tied-no-prelude"],
+)
 def test_parameter_counts_match_the_modules(cfg):
     with torch.device("meta"):
         model = LoopedTransformer(cfg)
@@ -77,9 +89,11 @@ def test_eval_and_nll_by_depth_flops_match_flop_counter():
         forward = counted_flops(lambda: model(batch[:, :-1], depth=5))
         all_depths = counted_flops(lambda: model.nll_by_depth(batch[:, :-1], batch[:, 1:], [1, 3, 8]))
     assert eval_flops(TINY, 5, batch_size=BATCH, seq_len=SEQ, include_embeddings=True) == pytest.approx(
-        forward, rel=0.02)
-    assert nll_by_depth_flops(TINY, [1, 3, 8], batch_size=BATCH, seq_len=SEQ,
-                              include_embeddings=True) == pytest.approx(all_depths, rel=0.02)
+        forward, rel=0.02
+    )
+    assert nll_by_depth_flops(TINY, [1, 3, 8], batch_size=BATCH, seq_len=SEQ, include_embeddings=True) == pytest.approx(
+        all_depths, rel=0.02
+    )
 
 
 def test_head_is_excluded_by_default():
@@ -96,8 +110,10 @@ def test_schedule_flops_is_the_expected_sum_over_sampled_depths():
     uniform = parse_schedule("uniform:1-16", seed=0, total_updates=100)
     assert schedule_flops(TINY, uniform, **shape) == pytest.approx(100 * sum(per_depth.values()) / 16)
     # Expected cost is linear in E[K]; the realised sum of a sampled run lands close to it.
-    for spec in ("fixed-first:k0=2,switch=0.5,finish=pln:mean=6,sigma=0.5,max=16",
-                 "progressive:mean=8,warmup=0.75,shape=linear"):
+    for spec in (
+        "fixed-first:k0=2,switch=0.5,finish=pln:mean=6,sigma=0.5,max=16",
+        "progressive:mean=8,warmup=0.75,shape=linear",
+    ):
         schedule = parse_schedule(spec, seed=3, total_updates=3000)
         realised = sum(per_depth[schedule.depth_at(step)] for step in range(3000))
         assert schedule_flops(TINY, schedule, **shape) == pytest.approx(realised, rel=0.02)
@@ -113,10 +129,13 @@ def test_schedule_flops_of_a_prefix():
         schedule_flops(TINY, schedule, updates=101, **shape)
 
 
-@pytest.mark.parametrize("spec,reference", [
-    ("uniform:1-16", "fixed-first:k0=4,switch=0.67,finish=uniform:1-16"),
-    ("fixed-first:k0=2,switch=0.8,finish=uniform:1-16", "uniform:1-16"),
-])
+@pytest.mark.parametrize(
+    "spec,reference",
+    [
+        ("uniform:1-16", "fixed-first:k0=4,switch=0.67,finish=uniform:1-16"),
+        ("fixed-first:k0=2,switch=0.8,finish=uniform:1-16", "uniform:1-16"),
+    ],
+)
 def test_iso_flop_updates_lands_closest_to_the_reference_compute(spec, reference):
     shape = dict(batch_size=BATCH, seq_len=SEQ)
     budget = schedule_flops(TINY, parse_schedule(reference, seed=0, total_updates=1000), **shape)

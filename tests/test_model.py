@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from trainer.model import ModelConfig, LoopedTransformer
+from trainer.model import LoopedTransformer, ModelConfig
 
 SMALL = dict(vocab_size=40, max_seq_len=16, d_model=32, n_heads=2, n_prelude=1, n_core=2, n_coda=1)
 
@@ -42,8 +42,9 @@ def test_nll_by_depth_deep_and_unordered(init_state):
     x, y = torch.randint(0, 40, (1, 12)), torch.randint(0, 40, (1, 12))
     depths = [64, 1, 33, 7]
     with torch.no_grad():
-        torch.testing.assert_close(model.nll_by_depth(x, y, depths), separate_nll(model, x, y, depths),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            model.nll_by_depth(x, y, depths), separate_nll(model, x, y, depths), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_ignored_targets_are_skipped():
@@ -90,8 +91,9 @@ def truncated_reference_loss(model: LoopedTransformer, x, y, depth: int, backpro
 
     def iterate(state, e, params):
         def run(prefix, module, *args):
-            sub = {n[len(prefix) + 1:]: t for n, t in params.items() if n.startswith(prefix + ".")}
+            sub = {n[len(prefix) + 1 :]: t for n, t in params.items() if n.startswith(prefix + ".")}
             return functional_call(module, sub, args)
+
         h = run("adapter", model.adapter, torch.cat((state, e), dim=-1))
         for i, block in enumerate(model.core):
             h = run(f"core.{i}", block, h, model.rotary)
@@ -141,10 +143,15 @@ def test_bad_depth_is_rejected(bad):
         model(torch.zeros(1, 4, dtype=torch.long), depth=bad)
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(n_heads=3), "divide"), (dict(mlp="relu"), "mlp"), (dict(n_core=0), "n_core"),
-    (dict(backprop_depth=-1), "backprop_depth"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(n_heads=3), "divide"),
+        (dict(mlp="relu"), "mlp"),
+        (dict(n_core=0), "n_core"),
+        (dict(backprop_depth=-1), "backprop_depth"),
+    ],
+)
 def test_config_validation(changes, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig(**{**SMALL, **changes})

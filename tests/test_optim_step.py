@@ -89,15 +89,17 @@ def reference_adamw(opt, grads, decoupled=True):
                 g = g + wd * theta
             m = b1 * m + (1 - b1) * g
             v = b2 * v + (1 - b2) * g * g
-            m_hat, v_hat = m / (1 - b1 ** t), v / (1 - b2 ** t)
+            m_hat, v_hat = m / (1 - b1**t), v / (1 - b2**t)
             new = new - lr * m_hat / (v_hat.sqrt() + eps)
             out.append(new - theta)
     return out
 
 
 def snapshot_state(params, opt):
-    return ([p.detach().clone() for p in params],
-            copy.deepcopy({id_: {k: v.clone() for k, v in s.items()} for id_, s in enumerate(opt.state.values())}))
+    return (
+        [p.detach().clone() for p in params],
+        copy.deepcopy({id_: {k: v.clone() for k, v in s.items()} for id_, s in enumerate(opt.state.values())}),
+    )
 
 
 def assert_close_lists(actual, expected, rtol=1e-4, atol=2e-7):
@@ -215,7 +217,7 @@ def test_adamw_linear_term_matches_closed_form(steps):
         v = state["exp_avg_sq"] if state else torch.zeros_like(p)
         t = (float(state["step"]) if state else 0.0) + 1
         # At g = 0 the second moment does not move to first order: only m' = (1 - b1) d does.
-        expected = -LR * (1 - b1) / (1 - b1 ** t) * d / ((b2 * v / (1 - b2 ** t)).sqrt() + EPS)
+        expected = -LR * (1 - b1) / (1 - b1**t) * d / ((b2 * v / (1 - b2**t)).sqrt() + EPS)
         torch.testing.assert_close(lin, expected, rtol=1e-4, atol=1e-9)
         assert torch.isfinite(lin).all()
 
@@ -232,14 +234,14 @@ def test_adam_l2_linear_term_matches_closed_form():
             d, lin = (t.double() for t in next(pairs))
             state = opt.state[p]
             theta, t = p.detach().double(), float(state["step"]) + 1
-            bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+            bc1, bc2 = 1 - b1**t, 1 - b2**t
             g0 = wd * theta  # the L2 term is the gradient at g = 0
             m = b1 * state["exp_avg"].double() + (1 - b1) * g0
             v = b2 * state["exp_avg_sq"].double() + (1 - b2) * g0 * g0
             den = (v / bc2).sqrt() + EPS
             dm, dv = (1 - b1) * d, 2 * (1 - b2) * g0 * d
             dden = dv / (2 * (v * bc2).sqrt())
-            expected = -LR / bc1 * (dm / den - m * dden / den ** 2)
+            expected = -LR / bc1 * (dm / den - m * dden / den**2)
             torch.testing.assert_close(lin, expected, rtol=1e-4, atol=1e-10)
 
 

@@ -54,8 +54,19 @@ def test_train_diagnose_summarize_plot(tmp_path):
     snapshots = sorted(str(p) for p in (run_dir / "snapshots").glob("*.pt"))
     assert len(snapshots) == 3
 
-    invoke("diagnose", *snapshots, "--out", str(results), "--update-depths", "2,8", "--serving", "1-8",
-           "--batches", "3", "--no-progress")
+    invoke(
+        "diagnose",
+        *snapshots,
+        "--out",
+        str(results),
+        "--update-depths",
+        "2,8",
+        "--serving",
+        "1-8",
+        "--batches",
+        "3",
+        "--no-progress",
+    )
     ds = open_results([results])
     assert ds["nll"].sizes == {"snapshot": 3, "batch": 3, "update_depth": 2, "serving_depth": 8}
     assert list(ds["uniform_updates"].values) == [0, 4, 16]

@@ -33,12 +33,14 @@ def test_line_progress_is_occasional_and_ends_with_the_final_count():
 
 
 def test_cli_help_imports_neither_torch_nor_xarray():
-    code = ("import sys\n"
-            "from click.testing import CliRunner\n"
-            "import diag.cli\n"
-            "for args in (['--help'], ['train', '--help'], ['diagnose', '--help'], ['plot', '--help']):\n"
-            "    assert CliRunner().invoke(diag.cli.main, args).exit_code == 0, args\n"
-            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'xarray', 'numpy'))\n"
-            "print(heavy[:3])\n")
+    code = (
+        "import sys\n"
+        "from click.testing import CliRunner\n"
+        "import diag.cli\n"
+        "for args in (['--help'], ['train', '--help'], ['diagnose', '--help'], ['plot', '--help']):\n"
+        "    assert CliRunner().invoke(diag.cli.main, args).exit_code == 0, args\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'xarray', 'numpy'))\n"
+        "print(heavy[:3])\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"

@@ -37,32 +37,56 @@ def as_vector(distribution, max_depth):
 
 # --- parsing --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("spec,canonical", [
-    ("fixed:4", "fixed:4"),
-    ("uniform:1-16", "uniform:1-16"),
-    ("uniform", "uniform:1-16"),
-    ("pln", "pln:mean=8,sigma=0.5,max=16"),
-    ("pln:max=32,mean=4.5", "pln:mean=4.5,sigma=0.5,max=32"),
-    ("progressive:mean=8,warmup=0.75,shape=1-sqrt", "progressive:mean=8,sigma=0.5,max=16,warmup=0.75,shape=1-sqrt"),
-    ("progressive:shape=linear", "progressive:mean=8,sigma=0.5,max=16,warmup=0.75,shape=linear"),
-    ("fixed-first", "fixed-first:k0=4,switch=0.8,finish=uniform:1-16"),
-    ("fixed-first:k0=2, switch=0.5, finish=uniform:1-16", "fixed-first:k0=2,switch=0.5,finish=uniform:1-16"),
-    ("fixed-first:k0=2,switch=0.67,finish=pln:mean=8,sigma=0.5,max=16",
-     "fixed-first:k0=2,switch=0.67,finish=pln:mean=8,sigma=0.5,max=16"),
-])
+
+@pytest.mark.parametrize(
+    "spec,canonical",
+    [
+        ("fixed:4", "fixed:4"),
+        ("uniform:1-16", "uniform:1-16"),
+        ("uniform", "uniform:1-16"),
+        ("pln", "pln:mean=8,sigma=0.5,max=16"),
+        ("pln:max=32,mean=4.5", "pln:mean=4.5,sigma=0.5,max=32"),
+        ("progressive:mean=8,warmup=0.75,shape=1-sqrt", "progressive:mean=8,sigma=0.5,max=16,warmup=0.75,shape=1-sqrt"),
+        ("progressive:shape=linear", "progressive:mean=8,sigma=0.5,max=16,warmup=0.75,shape=linear"),
+        ("fixed-first", "fixed-first:k0=4,switch=0.8,finish=uniform:1-16"),
+        ("fixed-first:k0=2, switch=0.5, finish=uniform:1-16", "fixed-first:k0=2,switch=0.5,finish=uniform:1-16"),
+        (
+            "fixed-first:k0=2,switch=0.67,finish=pln:mean=8,sigma=0.5,max=16",
+            "fixed-first:k0=2,switch=0.67,finish=pln:mean=8,sigma=0.5,max=16",
+        ),
+    ],
+)
 def test_spec_round_trips_through_its_canonical_form(spec, canonical):
     schedule = parse_schedule(spec, seed=0, total_updates=100)
     assert schedule.spec == canonical
     assert parse_schedule(canonical, seed=0, total_updates=100) == schedule
 
 
-@pytest.mark.parametrize("spec", [
-    "fixed:0", "fixed", "fixed:x", "uniform:5-2", "uniform:0-4", "uniform:3",
-    "fixed-first:switch=1.5", "fixed-first:k0=0", "fixed-first:k0=4,switch=0.8,finish=fixed:4",
-    "fixed-first:k0=4,finish=uniform:1-16,switch=0.5", "pln:mean=-1", "pln:sigma=nan", "pln:max=0",
-    "pln:foo=1", "pln:mean=8,mean=9", "progressive:shape=cubic", "progressive:warmup=2",
-    "progressive:mean=0.5", "geometric:3", "",
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "fixed:0",
+        "fixed",
+        "fixed:x",
+        "uniform:5-2",
+        "uniform:0-4",
+        "uniform:3",
+        "fixed-first:switch=1.5",
+        "fixed-first:k0=0",
+        "fixed-first:k0=4,switch=0.8,finish=fixed:4",
+        "fixed-first:k0=4,finish=uniform:1-16,switch=0.5",
+        "pln:mean=-1",
+        "pln:sigma=nan",
+        "pln:max=0",
+        "pln:foo=1",
+        "pln:mean=8,mean=9",
+        "progressive:shape=cubic",
+        "progressive:warmup=2",
+        "progressive:mean=0.5",
+        "geometric:3",
+        "",
+    ],
+)
 def test_bad_specs_raise_one_line_input_errors(spec):
     with pytest.raises(InputError) as err:
         parse_schedule(spec, seed=0, total_updates=100)
@@ -72,8 +96,12 @@ def test_bad_specs_raise_one_line_input_errors(spec):
 
 # --- purity ---------------------------------------------------------------------------------
 
-SPECS = ["uniform:1-16", "pln:mean=8,sigma=0.5,max=16", "progressive:mean=8,warmup=0.75",
-         "fixed-first:k0=4,switch=0.5,finish=uniform:1-16"]
+SPECS = [
+    "uniform:1-16",
+    "pln:mean=8,sigma=0.5,max=16",
+    "progressive:mean=8,warmup=0.75",
+    "fixed-first:k0=4,switch=0.5,finish=uniform:1-16",
+]
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -88,6 +116,7 @@ def test_depths_are_pure_in_seed_and_step(spec):
 
 
 # --- distributions --------------------------------------------------------------------------
+
 
 def test_fixed_is_constant():
     schedule = parse_schedule("fixed:5", seed=0, total_updates=50)
@@ -153,7 +182,7 @@ def test_progressive_samples_follow_the_rising_mean():
         expected = np.mean([sum(k * p for k, p in schedule.depth_distribution(s).items()) for s in window])
         variance = np.mean([sum(k * k * p for k, p in schedule.depth_distribution(s).items()) for s in window])
         stderr = math.sqrt((variance - expected**2) / len(window))
-        assert abs(depths[start:start + 400].mean() - expected) < 4 * stderr
+        assert abs(depths[start : start + 400].mean() - expected) < 4 * stderr
     early, late = depths[:400].mean(), depths[-400:].mean()
     assert early < 3 < 8 < late
 
@@ -161,8 +190,7 @@ def test_progressive_samples_follow_the_rising_mean():
 @pytest.mark.parametrize("switch,total", [(0.8, 1500), (0.67, 4800), (0.5, 5), (0.5, 7), (0.0, 10), (1.0, 10)])
 def test_fixed_first_switches_at_exactly_round_switch_times_updates(switch, total):
     # k0 outside the finishing range makes the fixed phase visible in every draw.
-    schedule = parse_schedule(f"fixed-first:k0=17,switch={switch},finish=uniform:1-16",
-                              seed=0, total_updates=total)
+    schedule = parse_schedule(f"fixed-first:k0=17,switch={switch},finish=uniform:1-16", seed=0, total_updates=total)
     expected = round(switch * total)
     assert schedule.switch_step == expected
     fixed = [step for step in range(total) if schedule.depth_at(step) == 17]
@@ -173,8 +201,9 @@ def test_fixed_first_switches_at_exactly_round_switch_times_updates(switch, tota
 
 def test_fixed_first_finish_uses_the_finish_schedule_draws():
     finish = parse_schedule("pln:mean=6,sigma=0.5,max=16", seed=5, total_updates=300)
-    schedule = parse_schedule("fixed-first:k0=4,switch=0.5,finish=pln:mean=6,sigma=0.5,max=16",
-                              seed=5, total_updates=300)
+    schedule = parse_schedule(
+        "fixed-first:k0=4,switch=0.5,finish=pln:mean=6,sigma=0.5,max=16", seed=5, total_updates=300
+    )
     assert depths_of(schedule, range(150, 300)) == depths_of(finish, range(150, 300))
     average = schedule.average_distribution()
     expected = {k: 0.5 * p for k, p in finish.depth_distribution(0).items()}

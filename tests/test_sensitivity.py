@@ -67,7 +67,9 @@ def files(tmp_path):
 def test_rows_are_seed_level_intervals_by_hand(files):
     table = sensitivity_table(files)
     assert [(row.isolate, row.rms_match) for row in table.rows] == [
-        ("counterfactual", "reference"), ("linear", "geomean"), ("none", "none")
+        ("counterfactual", "reference"),
+        ("linear", "geomean"),
+        ("none", "none"),
     ]
     reference = table.rows[0]
     assert reference.at_switch.unit == "seed" and reference.at_switch.n == 3 and len(reference.files) == 3

@@ -89,7 +89,7 @@ def test_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
     before = path.read_bytes()
     broken = synthetic_results(seed=1)
     broken["unwritable"] = ("batch", np.array([object(), object(), object()], dtype=object))
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError):
         write_dataset(broken, path)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["results.h5"]

@@ -29,15 +29,26 @@ def text_corpus(directory: Path) -> Path:
 
 def tiny_config(corpus: Path, **train_overrides) -> RunConfig:
     """d=32, byte-level text: a run of a few dozen updates takes seconds on one core."""
-    train_section = {"schedule": "fixed-first:k0=2,switch=0.5,finish=uniform:1-4", "updates": 12,
-                     "batch_size": 8, "seq_len": 16, "checkpoint_every": 4, "snapshot_uniform_updates": [0, 2],
-                     "snapshot_batches": 3, "device": "cpu", "log_every": 1}
+    train_section = {
+        "schedule": "fixed-first:k0=2,switch=0.5,finish=uniform:1-4",
+        "updates": 12,
+        "batch_size": 8,
+        "seq_len": 16,
+        "checkpoint_every": 4,
+        "snapshot_uniform_updates": [0, 2],
+        "snapshot_batches": 3,
+        "device": "cpu",
+        "log_every": 1,
+    }
     train_section.update(train_overrides)
-    return RunConfig.from_dict({
-        "model": {"vocab_size": 256, "max_seq_len": 16, "d_model": 32, "n_heads": 2},
-        "data": {"source": "text", "path": str(corpus), "eval_sequences": 4},
-        "optim": {"lr": 3e-3, "warmup": 3},
-        "train": train_section})
+    return RunConfig.from_dict(
+        {
+            "model": {"vocab_size": 256, "max_seq_len": 16, "d_model": 32, "n_heads": 2},
+            "data": {"source": "text", "path": str(corpus), "eval_sequences": 4},
+            "optim": {"lr": 3e-3, "warmup": 3},
+            "train": train_section,
+        }
+    )
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -55,12 +66,14 @@ def reference_lrs(lr: float, warmup: int, decay_fraction: float, min_ratio: floa
     decay = round(decay_fraction * total)
     if decay:
         ramp = np.linspace(1.0, min_ratio, decay + 1)[1:]  # the last update lands on min_ratio
-        factors[total - decay:] = np.minimum(factors[total - decay:], ramp)
+        factors[total - decay :] = np.minimum(factors[total - decay :], ramp)
     return lr * factors
 
 
-@pytest.mark.parametrize("warmup,decay_fraction,min_ratio,total", [
-    (10, 0.2, 0.1, 100), (0, 0.1, 0.0, 50), (5, 0.0, 0.1, 30), (40, 0.5, 0.3, 60), (0, 1.0, 0.5, 7)])
+@pytest.mark.parametrize(
+    "warmup,decay_fraction,min_ratio,total",
+    [(10, 0.2, 0.1, 100), (0, 0.1, 0.0, 50), (5, 0.0, 0.1, 30), (40, 0.5, 0.3, 60), (0, 1.0, 0.5, 7)],
+)
 def test_lr_at_matches_piecewise_reference(warmup, decay_fraction, min_ratio, total):
     optim = OptimConfig(lr=1e-3, warmup=warmup, decay_fraction=decay_fraction, min_lr_ratio=min_ratio)
     got = np.array([lr_at(step, optim, total) for step in range(total)])
@@ -101,16 +114,14 @@ def test_loss_decreases_and_metrics_follow_the_schedule(tmp_path):
     assert [r["lr"] for r in records] == [lr_at(s, config.optim, 40) for s in range(40)]
     tokens_per_update = config.train.batch_size * config.train.seq_len
     assert [r["tokens"] for r in records] == [tokens_per_update * (s + 1) for s in range(40)]
-    modeled = np.cumsum([update_flops(config.model, schedule.depth_at(s), batch_size=8, seq_len=16)
-                         for s in range(40)])
+    modeled = np.cumsum([update_flops(config.model, schedule.depth_at(s), batch_size=8, seq_len=16) for s in range(40)])
     np.testing.assert_allclose([r["flops"] for r in records], modeled, rtol=1e-12)
     walls = [r["wall_time"] for r in records]
     assert all(b > a for a, b in zip(walls, walls[1:]))
 
 
 def test_sgd_and_coarser_logging(tmp_path):
-    config = tiny_config(text_corpus(tmp_path), updates=9, log_every=4, checkpoint_every=0,
-                         snapshot_uniform_updates=[])
+    config = tiny_config(text_corpus(tmp_path), updates=9, log_every=4, checkpoint_every=0, snapshot_uniform_updates=[])
     config = config.with_overrides(["optim.name='sgd'", "optim.lr=0.05"])
     train(config, tmp_path / "run", progress=False)
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [3, 7, 8]
@@ -139,6 +150,7 @@ def test_interrupt_then_resume_is_bit_exact(tmp_path, monkeypatch, precision):
 
     resumed = tmp_path / "resumed"
     import trainer.train as train_module
+
     monkeypatch.setattr(train_module, "update_flops", Interrupt(update_flops, 7))
     with pytest.raises(KeyboardInterrupt):
         train(config, resumed, progress=False)
@@ -166,6 +178,7 @@ def test_resume_inside_a_logging_interval_logs_what_an_uninterrupted_run_logs(tm
     config = tiny_config(text_corpus(tmp_path), log_every=3, checkpoint_every=4, snapshot_uniform_updates=[])
     train(config, tmp_path / "straight", progress=False)
     import trainer.train as train_module
+
     monkeypatch.setattr(train_module, "update_flops", Interrupt(update_flops, 7))
     with pytest.raises(KeyboardInterrupt):
         train(config, tmp_path / "resumed", progress=False)
@@ -174,6 +187,7 @@ def test_resume_inside_a_logging_interval_logs_what_an_uninterrupted_run_logs(tm
 
     def without_wall_time(run_dir: Path) -> list[dict]:
         return [{k: v for k, v in r.items() if k != "wall_time"} for r in read_metrics(run_dir)]
+
     assert without_wall_time(tmp_path / "resumed") == without_wall_time(tmp_path / "straight")
 
 
@@ -214,28 +228,43 @@ def test_cli_train_then_resume_a_finished_run(tmp_path):
     config_file.write_text(
         "[model]\nvocab_size = 256\nmax_seq_len = 16\nd_model = 32\nn_heads = 2\n"
         f'[data]\nsource = "text"\npath = "{corpus}"\neval_sequences = 2\n'
-        '[train]\nschedule = "fixed:2"\nupdates = 3\nbatch_size = 4\nseq_len = 16\ndevice = "cpu"\n')
+        '[train]\nschedule = "fixed:2"\nupdates = 3\nbatch_size = 4\nseq_len = 16\ndevice = "cpu"\n'
+    )
     runner = CliRunner()
     run_dir = tmp_path / "run"
-    first = runner.invoke(main, ["train", str(config_file), "--out", str(run_dir), "--set", "train.log_every=1",
-                                 "--no-progress"])
+    first = runner.invoke(
+        main, ["train", str(config_file), "--out", str(run_dir), "--set", "train.log_every=1", "--no-progress"]
+    )
     assert first.exit_code == 0, first.output
     last_loss = read_metrics(run_dir)[-1]["loss"]
     assert f"final loss {last_loss:.4f}" in first.output
 
-    again = runner.invoke(main, ["train", str(config_file), "--resume", str(run_dir), "--set", "train.log_every=1",
-                                 "--no-progress"])
+    again = runner.invoke(
+        main, ["train", str(config_file), "--resume", str(run_dir), "--set", "train.log_every=1", "--no-progress"]
+    )
     assert again.exit_code == 0, again.output
     assert "resumed from 3" in again.output and f"final loss {last_loss:.4f}" in again.output
 
-    mismatch = runner.invoke(main, ["train", str(config_file), "--resume", str(run_dir), "--out", str(tmp_path / "x"),
-                                    "--set", "train.log_every=1"])
+    mismatch = runner.invoke(
+        main,
+        [
+            "train",
+            str(config_file),
+            "--resume",
+            str(run_dir),
+            "--out",
+            str(tmp_path / "x"),
+            "--set",
+            "train.log_every=1",
+        ],
+    )
     assert mismatch.exit_code == 2 and "--resume" in mismatch.stderr
 
 
 def test_bf16_autocast_trains(tmp_path):
-    config = tiny_config(text_corpus(tmp_path), updates=20, precision="bf16", checkpoint_every=0,
-                         snapshot_uniform_updates=[])
+    config = tiny_config(
+        text_corpus(tmp_path), updates=20, precision="bf16", checkpoint_every=0, snapshot_uniform_updates=[]
+    )
     train(config, tmp_path / "run", progress=False)
     losses = [r["loss"] for r in read_metrics(tmp_path / "run")]
     assert all(np.isfinite(losses)) and np.mean(losses[-3:]) < np.mean(losses[:3])
@@ -248,9 +277,17 @@ def test_bf16_autocast_trains(tmp_path):
 def test_loss_decreases_on_the_tiny_config(tmp_path):
     from trainer.config import load_config
 
-    config = load_config(Path(__file__).resolve().parents[1] / "configs/tiny.toml", [
-        "train.schedule='fixed:4'", "train.updates=60", "train.device='cpu'", "train.checkpoint_every=0",
-        "optim.warmup=10", "train.log_every=1"])
+    config = load_config(
+        Path(__file__).resolve().parents[1] / "configs/tiny.toml",
+        [
+            "train.schedule='fixed:4'",
+            "train.updates=60",
+            "train.device='cpu'",
+            "train.checkpoint_every=0",
+            "optim.warmup=10",
+            "train.log_every=1",
+        ],
+    )
     train(config, tmp_path / "run", progress=False)
     losses = [r["loss"] for r in read_metrics(tmp_path / "run")]
     assert np.mean(losses[-10:]) < np.mean(losses[:10]) - 1.0

@@ -31,13 +31,13 @@ every one of its tokens given the right earlier tokens.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import numpy as np
 import torch
-from common.progress import track
 
+from common.progress import track
 from trainer.data import batch_rng, rank_rows
 
 ATTRIBUTES = ("birth city", "birth day", "birth month", "university", "major", "employer")
@@ -65,11 +65,21 @@ class BiosSpec:
     """Distinct name tokens; names are distinct tuples of them."""
     value_vocab: int = 64
     """Distinct value tokens, shared by all attributes."""
-    training_orders: tuple[tuple[int, ...], ...] = ((5, 0, 1, 2, 3, 4), (1, 2, 0, 3, 4, 5), (3, 4, 5, 0, 1, 2),
-                                                    (0, 3, 4, 5, 2, 1), (4, 5, 3, 1, 2, 0))
+    training_orders: tuple[tuple[int, ...], ...] = (
+        (5, 0, 1, 2, 3, 4),
+        (1, 2, 0, 3, 4, 5),
+        (3, 4, 5, 0, 1, 2),
+        (0, 3, 4, 5, 2, 1),
+        (4, 5, 3, 1, 2, 0),
+    )
     """Fact order (attribute indices) of each training template."""
-    evaluation_orders: tuple[tuple[int, ...], ...] = ((0, 5, 1, 2, 3, 4), (2, 1, 4, 3, 5, 0), (5, 3, 0, 2, 4, 1),
-                                                      (1, 0, 2, 4, 5, 3), (3, 2, 5, 1, 0, 4))
+    evaluation_orders: tuple[tuple[int, ...], ...] = (
+        (0, 5, 1, 2, 3, 4),
+        (2, 1, 4, 3, 5, 0),
+        (5, 3, 0, 2, 4, 1),
+        (1, 0, 2, 4, 5, 3),
+        (3, 2, 5, 1, 0, 4),
+    )
     """Fact order of each evaluation template; template t keeps training template t's
     wording, and no evaluation order is a training order."""
     recall_min_templates: int = 4
@@ -77,17 +87,20 @@ class BiosSpec:
 
     def __post_init__(self) -> None:
         for name in ("cardinalities", "value_lengths", "training_orders", "evaluation_orders"):
-            object.__setattr__(self, name, tuple(tuple(v) if isinstance(v, (list, tuple)) else v
-                                                 for v in getattr(self, name)))
+            object.__setattr__(
+                self, name, tuple(tuple(v) if isinstance(v, (list, tuple)) else v for v in getattr(self, name))
+            )
         n = len(ATTRIBUTES)
         if len(self.cardinalities) != n or len(self.value_lengths) != n:
             raise ValueError(f"bioS needs {n} cardinalities and value lengths, one per attribute")
         if min(self.cardinalities) < 2 or min(self.value_lengths) < 1:
             raise ValueError("bioS cardinalities must be >= 2 and value lengths >= 1")
         for attribute, cardinality, length in zip(ATTRIBUTES, self.cardinalities, self.value_lengths):
-            if self.value_vocab ** length < cardinality:
-                raise ValueError(f"bioS {attribute}: {cardinality} values do not fit in {length} token(s) "
-                                 f"of a {self.value_vocab}-token value vocabulary")
+            if self.value_vocab**length < cardinality:
+                raise ValueError(
+                    f"bioS {attribute}: {cardinality} values do not fit in {length} token(s) "
+                    f"of a {self.value_vocab}-token value vocabulary"
+                )
         if self.name_length < 1 or self.name_vocab < 1:
             raise ValueError("bioS name_length and name_vocab must be >= 1")
         if len(self.training_orders) != len(self.evaluation_orders) or not self.training_orders:
@@ -163,8 +176,9 @@ class BiosSpec:
 class BiosSource:
     """A bioS population and its token streams; a TokenSource (trainer/data.py)."""
 
-    def __init__(self, spec: BiosSpec, names: np.ndarray, values: np.ndarray,
-                 value_spellings: tuple[np.ndarray, ...], seed: int):
+    def __init__(
+        self, spec: BiosSpec, names: np.ndarray, values: np.ndarray, value_spellings: tuple[np.ndarray, ...], seed: int
+    ):
         self.spec = spec
         self.names = names
         """int64 [people, name_length]: each person's name tokens (distinct rows)."""
@@ -174,23 +188,27 @@ class BiosSource:
         """Per attribute, int64 [cardinality, value_length]: the tokens of each value (distinct rows)."""
         self.seed = seed
         self.vocab_size = spec.vocab_size
-        self.facts = np.concatenate([names] + [value_spellings[a][values[:, a]] for a in range(len(ATTRIBUTES))],
-                                    axis=1)  # [people, name_length + sum(value_lengths)]
+        self.facts = np.concatenate(
+            [names] + [value_spellings[a][values[:, a]] for a in range(len(ATTRIBUTES))], axis=1
+        )  # [people, name_length + sum(value_lengths)]
         self._training = [spec.layout(t, order) for t, order in enumerate(spec.training_orders)]
         self._evaluation = [spec.layout(t, order) for t, order in enumerate(spec.evaluation_orders)]
 
     @classmethod
-    def generate(cls, people: int, seed: int, spec: BiosSpec | None = None) -> "BiosSource":
+    def generate(cls, people: int, seed: int, spec: BiosSpec | None = None) -> BiosSource:
         """`people` fictional people, a pure function of (people, seed, spec)."""
         spec = spec or BiosSpec()
-        if people < 1 or people > spec.name_vocab ** spec.name_length:
-            raise ValueError(f"bioS people must be in [1, {spec.name_vocab ** spec.name_length}] "
-                             f"(distinct names), got {people}")
+        if people < 1 or people > spec.name_vocab**spec.name_length:
+            raise ValueError(
+                f"bioS people must be in [1, {spec.name_vocab**spec.name_length}] (distinct names), got {people}"
+            )
         rng = np.random.Generator(np.random.PCG64([seed, _POPULATION_STREAM, _BIOS_SALT]))
-        spellings = tuple(spec.first_value_token + _digits(rng.choice(spec.value_vocab ** length, cardinality,
-                                                                      replace=False), spec.value_vocab, length)
-                          for cardinality, length in zip(spec.cardinalities, spec.value_lengths))
-        name_codes = rng.choice(spec.name_vocab ** spec.name_length, people, replace=False)
+        spellings = tuple(
+            spec.first_value_token
+            + _digits(rng.choice(spec.value_vocab**length, cardinality, replace=False), spec.value_vocab, length)
+            for cardinality, length in zip(spec.cardinalities, spec.value_lengths)
+        )
+        name_codes = rng.choice(spec.name_vocab**spec.name_length, people, replace=False)
         names = spec.first_name_token + _digits(name_codes, spec.name_vocab, spec.name_length)
         values = np.stack([rng.integers(0, c, size=people) for c in spec.cardinalities], axis=1)
         return cls(spec, names, values, spellings, seed)
@@ -201,8 +219,9 @@ class BiosSource:
 
     # --- rendering ----------------------------------------------------------------------------
 
-    def _render(self, persons: np.ndarray, templates: np.ndarray,
-                layouts: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    def _render(
+        self, persons: np.ndarray, templates: np.ndarray, layouts: list[tuple[np.ndarray, np.ndarray]]
+    ) -> np.ndarray:
         """int64 [n, bio_length]: bios of persons[i] with layouts[templates[i]]."""
         source = np.stack([layout[0] for layout in layouts])[templates]  # [n, bio_length]
         constant = source < 0
@@ -222,16 +241,23 @@ class BiosSource:
         token, and the value tokens the model must produce."""
         sequence = self.evaluation_sequence(person, template)
         positions = np.flatnonzero(self._evaluation[template][1] == attribute)
-        return sequence[:positions[0]], sequence[positions]
+        return sequence[: positions[0]], sequence[positions]
 
     def describe(self, tokens: Sequence[int]) -> str:
         return " ".join(self.spec.token_text(int(t)) for t in tokens)
 
     # --- TokenSource --------------------------------------------------------------------------
 
-    def _packed(self, rng: np.random.Generator, rows: int, keep: slice, seq_len: int,
-                layouts: list[tuple[np.ndarray, np.ndarray]], *,
-                with_owners: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _packed(
+        self,
+        rng: np.random.Generator,
+        rows: int,
+        keep: slice,
+        seq_len: int,
+        layouts: list[tuple[np.ndarray, np.ndarray]],
+        *,
+        with_owners: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows of random bios (random person and template) packed back to back, cut to
         seq_len + 1 tokens; draws for all `rows`, renders rows[keep]. Returns the tokens
         and, when asked, aligned with them the attribute each value token belongs to (-1
@@ -249,8 +275,9 @@ class BiosSource:
         owners = np.stack([layout[1] for layout in layouts])[templates.ravel()]  # [kept * per_row, bio_length]
         return tokens, torch.from_numpy(owners.reshape(len(persons), -1)[:, cut])
 
-    def batch(self, seed: int, step: int, batch_size: int, seq_len: int, *,
-              rank: int = 0, world_size: int = 1) -> torch.Tensor:
+    def batch(
+        self, seed: int, step: int, batch_size: int, seq_len: int, *, rank: int = 0, world_size: int = 1
+    ) -> torch.Tensor:
         keep = rank_rows(batch_size, rank, world_size)
         return self._packed(batch_rng(seed, step), batch_size, keep, seq_len, self._training)[0]
 
@@ -316,8 +343,9 @@ def exact_values(logits: torch.Tensor, tokens: torch.Tensor, owner: torch.Tensor
     return bins[:, 1:] == 0
 
 
-def logits_by_depth(model: torch.nn.Module, input_ids: torch.Tensor,
-                    depths: Sequence[int]) -> Iterator[tuple[int, torch.Tensor]]:
+def logits_by_depth(
+    model: torch.nn.Module, input_ids: torch.Tensor, depths: Sequence[int]
+) -> Iterator[tuple[int, torch.Tensor]]:
     """(depth, logits [B, T, V]) for each depth in increasing order. A LoopedTransformer
     reads out every wanted depth from one pass of max(depths) iterations (as
     nll_by_depth does); other models get one forward per depth."""
@@ -330,9 +358,15 @@ def logits_by_depth(model: torch.nn.Module, input_ids: torch.Tensor,
 
 
 @torch.no_grad()
-def recall_bits(model: torch.nn.Module, source: BiosSource, depths: Sequence[int], *,
-                device: str | torch.device = "cpu", batch_size: int = 512,
-                progress: bool = False) -> dict[int, float]:
+def recall_bits(
+    model: torch.nn.Module,
+    source: BiosSource,
+    depths: Sequence[int],
+    *,
+    device: str | torch.device = "cpu",
+    batch_size: int = 512,
+    progress: bool = False,
+) -> dict[int, float]:
     """Recalled bits per person at each serving depth (greedy, teacher-forced; see
     the module docstring). The model must already be on `device`; it is put in eval
     mode and restored afterwards."""
@@ -355,5 +389,6 @@ def recall_bits(model: torch.nn.Module, source: BiosSource, depths: Sequence[int
         model.train(was_training)
     # rows are person-major: [depths, people * templates, A] -> [depths, people, A, templates]
     exact = exact.view(len(depths), source.people, spec.templates, len(ATTRIBUTES)).permute(0, 1, 3, 2).numpy()
-    return {depth: score_recall(exact[i], spec.cardinalities, spec.recall_min_templates)
-            for i, depth in enumerate(depths)}
+    return {
+        depth: score_recall(exact[i], spec.cardinalities, spec.recall_min_templates) for i, depth in enumerate(depths)
+    }

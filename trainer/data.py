@@ -48,8 +48,9 @@ class TokenSource(Protocol):
     vocab_size: int
     """Token ids lie in [0, vocab_size)."""
 
-    def batch(self, seed: int, step: int, batch_size: int, seq_len: int, *,
-              rank: int = 0, world_size: int = 1) -> torch.Tensor:
+    def batch(
+        self, seed: int, step: int, batch_size: int, seq_len: int, *, rank: int = 0, world_size: int = 1
+    ) -> torch.Tensor:
         """This rank's rows of the global training batch for (seed, step):
         int64 [batch_size // world_size, seq_len + 1]."""
         ...
@@ -80,8 +81,7 @@ class WindowSource:
     """Random windows of a flat training token array; evenly spaced windows of
     a flat evaluation array. Shared by the 'bin' and 'text' sources."""
 
-    def __init__(self, train: np.ndarray, val: np.ndarray, vocab_size: int,
-                 train_origin: str, val_origin: str):
+    def __init__(self, train: np.ndarray, val: np.ndarray, vocab_size: int, train_origin: str, val_origin: str):
         self.train = train
         self.val = val
         self.vocab_size = vocab_size
@@ -89,8 +89,9 @@ class WindowSource:
         """Names the training tokens in error messages (a path, or 'path (first 90%)')."""
         self.val_origin = val_origin
 
-    def batch(self, seed: int, step: int, batch_size: int, seq_len: int, *,
-              rank: int = 0, world_size: int = 1) -> torch.Tensor:
+    def batch(
+        self, seed: int, step: int, batch_size: int, seq_len: int, *, rank: int = 0, world_size: int = 1
+    ) -> torch.Tensor:
         rows = rank_rows(batch_size, rank, world_size)
         last_start = self._last_start(self.train, self.train_origin, seq_len)
         starts = batch_rng(seed, step).integers(0, last_start + 1, size=batch_size)[rows]
@@ -128,14 +129,16 @@ def open_bin_source(directory: str | Path, bin_dtype: str = "uint16") -> WindowS
             raise InputError(f"{path}: no such token file (expected train.bin and val.bin)")
         size = path.stat().st_size
         if size % dtype.itemsize:
-            raise InputError(f"{path}: size {size} bytes is not a multiple of {dtype.itemsize} "
-                             f"({bin_dtype}); wrong data.bin_dtype?")
+            raise InputError(
+                f"{path}: size {size} bytes is not a multiple of {dtype.itemsize} ({bin_dtype}); wrong data.bin_dtype?"
+            )
         if size < 2 * dtype.itemsize:
             raise InputError(f"{path}: fewer than 2 tokens")
         arrays[split] = np.memmap(path, dtype=dtype, mode="r")
     vocab_size = _bin_vocab_size(directory, bin_dtype, arrays)
-    return WindowSource(arrays["train"], arrays["val"], vocab_size,
-                        str(directory / "train.bin"), str(directory / "val.bin"))
+    return WindowSource(
+        arrays["train"], arrays["val"], vocab_size, str(directory / "train.bin"), str(directory / "val.bin")
+    )
 
 
 def _bin_vocab_size(directory: Path, bin_dtype: str, arrays: dict[str, np.ndarray]) -> int:
@@ -171,9 +174,13 @@ def open_text_source(path: str | Path) -> WindowSource:
     split = int(len(tokens) * (1 - TEXT_HELD_OUT_FRACTION))
     if split < 2 or len(tokens) - split < 2:
         raise InputError(f"{path}: {len(tokens)} bytes is too short to split into training and evaluation text")
-    return WindowSource(tokens[:split], tokens[split:], 256,
-                        f"{path} (first {1 - TEXT_HELD_OUT_FRACTION:.0%})",
-                        f"{path} (last {TEXT_HELD_OUT_FRACTION:.0%})")
+    return WindowSource(
+        tokens[:split],
+        tokens[split:],
+        256,
+        f"{path} (first {1 - TEXT_HELD_OUT_FRACTION:.0%})",
+        f"{path} (last {TEXT_HELD_OUT_FRACTION:.0%})",
+    )
 
 
 def build_source(data: DataConfig) -> TokenSource:
@@ -183,4 +190,5 @@ def build_source(data: DataConfig) -> TokenSource:
     if data.source == "text":
         return open_text_source(data.path)
     from trainer.bios import BiosSource  # bios imports this module for the batch helpers
+
     return BiosSource.generate(people=data.bios_people, seed=data.seed)

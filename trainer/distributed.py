@@ -63,8 +63,7 @@ def init_world(device_choice: str) -> World:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
-                                rank=rank, world_size=world_size)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size)
     return World(rank=rank, world_size=world_size, device=device)
 
 

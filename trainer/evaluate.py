@@ -4,9 +4,9 @@ the bioS task the recalled bits per person."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -36,9 +36,15 @@ def parse_depths(spec: str, *, limit: int = MAX_SERVING_DEPTH) -> tuple[int, ...
     return tuple(sorted(depths))
 
 
-def nll_by_serving_depth(model: torch.nn.Module, tokens: torch.Tensor, depths: Sequence[int], *,
-                         batch_size: int = 32, device: str | torch.device = "cpu",
-                         progress: bool = False) -> np.ndarray:
+def nll_by_serving_depth(
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    depths: Sequence[int],
+    *,
+    batch_size: int = 32,
+    device: str | torch.device = "cpu",
+    progress: bool = False,
+) -> np.ndarray:
     """Mean token NLL of `tokens` int64 [N, T+1] at each depth, float64 [len(depths)]:
     minibatch means from `nll_by_depth`, weighted by their counted targets."""
     total = np.zeros(len(depths), dtype=np.float64)
@@ -46,7 +52,7 @@ def nll_by_serving_depth(model: torch.nn.Module, tokens: torch.Tensor, depths: S
     starts = range(0, tokens.shape[0], batch_size)
     with torch.no_grad():
         for start in track(starts, len(starts), "eval", "batch", enabled=progress):
-            chunk = tokens[start:start + batch_size].to(device)  # [b, T+1]
+            chunk = tokens[start : start + batch_size].to(device)  # [b, T+1]
             n = int((chunk[:, 1:] != IGNORE_INDEX).sum())
             if n == 0:
                 continue
@@ -58,31 +64,51 @@ def nll_by_serving_depth(model: torch.nn.Module, tokens: torch.Tensor, depths: S
     return total / counted
 
 
-def evaluate_checkpoint(path: str | Path, serving_depths: Sequence[int], *, device: str = "auto",
-                        batch_size: int = 32, progress: bool = True) -> xr.Dataset:
+def evaluate_checkpoint(
+    path: str | Path,
+    serving_depths: Sequence[int],
+    *,
+    device: str = "auto",
+    batch_size: int = 32,
+    progress: bool = True,
+) -> xr.Dataset:
     """NLL (and bioS recall bits) per serving depth of a checkpoint or snapshot, as a
     Dataset over `serving_depth` with the file's provenance in its attributes."""
     snapshot = load_snapshot(path)
     target = resolve_device(device)
     model = snapshot.model(target).eval()
     depths = tuple(int(s) for s in serving_depths)
-    nll = nll_by_serving_depth(model, snapshot.eval_tokens, depths, batch_size=batch_size, device=target,
-                               progress=progress)
-    variables = {"nll": (("serving_depth",), nll, {"long_name": "mean token NLL on the evaluation set",
-                                                   "units": "nats"})}
+    nll = nll_by_serving_depth(
+        model, snapshot.eval_tokens, depths, batch_size=batch_size, device=target, progress=progress
+    )
+    variables = {
+        "nll": (("serving_depth",), nll, {"long_name": "mean token NLL on the evaluation set", "units": "nats"})
+    }
     if snapshot.config.data.source == "bios":
         from trainer.bios import recall_bits
         from trainer.data import build_source
 
         source = build_source(snapshot.config.data)
         bits = recall_bits(model, source, depths, device=target, progress=progress)
-        variables["recall_bits"] = (("serving_depth",), np.array([bits[s] for s in depths], dtype=np.float64),
-                                    {"long_name": "recalled bits per person", "units": "bits"})
-    return xr.Dataset(variables, coords={"serving_depth": list(depths)}, attrs={
-        "checkpoint": str(snapshot.path), "checkpoint_sha256": snapshot.sha256, "step": snapshot.step,
-        "uniform_updates": snapshot.uniform_updates, "config": snapshot.config.to_json(),
-        "eval_sequences": int(snapshot.eval_tokens.shape[0]), "torch_version": str(torch.__version__),
-        "package_version": metadata.version("depthdiag")})
+        variables["recall_bits"] = (
+            ("serving_depth",),
+            np.array([bits[s] for s in depths], dtype=np.float64),
+            {"long_name": "recalled bits per person", "units": "bits"},
+        )
+    return xr.Dataset(
+        variables,
+        coords={"serving_depth": list(depths)},
+        attrs={
+            "checkpoint": str(snapshot.path),
+            "checkpoint_sha256": snapshot.sha256,
+            "step": snapshot.step,
+            "uniform_updates": snapshot.uniform_updates,
+            "config": snapshot.config.to_json(),
+            "eval_sequences": int(snapshot.eval_tokens.shape[0]),
+            "torch_version": str(torch.__version__),
+            "package_version": metadata.version("depthdiag"),
+        },
+    )
 
 
 def format_table(ds: xr.Dataset) -> str:

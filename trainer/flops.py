@@ -20,8 +20,8 @@ depends only on its depth distribution, averaged over the run.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 from trainer.model import ModelConfig
 from trainer.schedules import Schedule, parse_schedule
@@ -37,13 +37,15 @@ def parameter_counts(model: ModelConfig) -> dict[str, int]:
     block_norms = (4 if model.norm == "sandwich" else 2) * d
     mlp = (3 if model.mlp == "swiglu" else 2) * d * model.ff_width
     block = 4 * d * d + mlp + block_norms  # qkv (3 d^2) + proj (d^2) + MLP + norms
-    return {"embedding": model.vocab_size * d,
-            "prelude": model.n_prelude * block,
-            "adapter": 2 * d * d if model.injection == "concat" else 0,
-            "core": model.n_core * block,
-            "coda": model.n_coda * block,
-            "norms": 2 * d,  # loop_norm and final_norm
-            "head": model.vocab_size * d}
+    return {
+        "embedding": model.vocab_size * d,
+        "prelude": model.n_prelude * block,
+        "adapter": 2 * d * d if model.injection == "concat" else 0,
+        "core": model.n_core * block,
+        "coda": model.n_coda * block,
+        "norms": 2 * d,  # loop_norm and final_norm
+        "head": model.vocab_size * d,
+    }
 
 
 def _attention_forward_per_token(model: ModelConfig, seq_len: int) -> float:
@@ -61,8 +63,9 @@ def _check_depth(depth: int) -> None:
         raise ValueError(f"depth must be a positive integer, got {depth!r}")
 
 
-def update_flops(model: ModelConfig, depth: int, *, batch_size: int, seq_len: int,
-                 include_embeddings: bool = False) -> float:
+def update_flops(
+    model: ModelConfig, depth: int, *, batch_size: int, seq_len: int, include_embeddings: bool = False
+) -> float:
     """Modeled FLOPs of one training update (forward and backward) at `depth`."""
     _check_depth(depth)
     _check_shape(batch_size, seq_len)
@@ -72,14 +75,18 @@ def update_flops(model: ModelConfig, depth: int, *, batch_size: int, seq_len: in
     per_iteration = counts["adapter"] + counts["core"]
     without_grad = max(0, depth - model.backprop_depth) if model.backprop_depth else 0
     with_grad = depth - without_grad
-    per_token = (6 * once + 3 * attention * (model.n_prelude + model.n_coda)
-                 + with_grad * (6 * per_iteration + 3 * attention * model.n_core)
-                 + without_grad * (2 * per_iteration + attention * model.n_core))
+    per_token = (
+        6 * once
+        + 3 * attention * (model.n_prelude + model.n_coda)
+        + with_grad * (6 * per_iteration + 3 * attention * model.n_core)
+        + without_grad * (2 * per_iteration + attention * model.n_core)
+    )
     return float(batch_size * seq_len * per_token)
 
 
-def nll_by_depth_flops(model: ModelConfig, depths: Sequence[int], *, batch_size: int, seq_len: int,
-                       include_embeddings: bool = False) -> float:
+def nll_by_depth_flops(
+    model: ModelConfig, depths: Sequence[int], *, batch_size: int, seq_len: int, include_embeddings: bool = False
+) -> float:
     """Modeled forward FLOPs of `LoopedTransformer.nll_by_depth(depths)`: one pass of
     max(depths) iterations with a readout (norms, coda, head) after each requested depth."""
     depths = sorted(set(depths))
@@ -91,17 +98,22 @@ def nll_by_depth_flops(model: ModelConfig, depths: Sequence[int], *, batch_size:
     counts = parameter_counts(model)
     attention = _attention_forward_per_token(model, seq_len)
     readout = counts["coda"] + counts["norms"] + (counts["head"] if include_embeddings else 0)
-    per_token = (2 * counts["prelude"] + attention * model.n_prelude
-                 + max(depths) * (2 * (counts["adapter"] + counts["core"]) + attention * model.n_core)
-                 + len(depths) * (2 * readout + attention * model.n_coda))
+    per_token = (
+        2 * counts["prelude"]
+        + attention * model.n_prelude
+        + max(depths) * (2 * (counts["adapter"] + counts["core"]) + attention * model.n_core)
+        + len(depths) * (2 * readout + attention * model.n_coda)
+    )
     return float(batch_size * seq_len * per_token)
 
 
-def eval_flops(model: ModelConfig, depth: int, *, batch_size: int, seq_len: int,
-               include_embeddings: bool = False) -> float:
+def eval_flops(
+    model: ModelConfig, depth: int, *, batch_size: int, seq_len: int, include_embeddings: bool = False
+) -> float:
     """Modeled FLOPs of one forward pass at `depth` (no gradient)."""
-    return nll_by_depth_flops(model, [depth], batch_size=batch_size, seq_len=seq_len,
-                              include_embeddings=include_embeddings)
+    return nll_by_depth_flops(
+        model, [depth], batch_size=batch_size, seq_len=seq_len, include_embeddings=include_embeddings
+    )
 
 
 def mean_depth(schedule: Schedule, updates: int | None = None) -> float:
@@ -109,20 +121,36 @@ def mean_depth(schedule: Schedule, updates: int | None = None) -> float:
     return sum(k * p for k, p in schedule.average_distribution(updates).items())
 
 
-def schedule_flops(model: ModelConfig, schedule: Schedule, *, updates: int | None = None,
-                   batch_size: int, seq_len: int, include_embeddings: bool = False) -> float:
+def schedule_flops(
+    model: ModelConfig,
+    schedule: Schedule,
+    *,
+    updates: int | None = None,
+    batch_size: int,
+    seq_len: int,
+    include_embeddings: bool = False,
+) -> float:
     """Expected modeled FLOPs of the first `updates` updates of `schedule` (default: the
     whole run), over the schedule's exact depth distribution at every step."""
     distribution = schedule.average_distribution(updates)
     updates = schedule.total_updates if updates is None else updates
-    per_update = sum(p * update_flops(model, k, batch_size=batch_size, seq_len=seq_len,
-                                      include_embeddings=include_embeddings)
-                     for k, p in distribution.items())
+    per_update = sum(
+        p * update_flops(model, k, batch_size=batch_size, seq_len=seq_len, include_embeddings=include_embeddings)
+        for k, p in distribution.items()
+    )
     return updates * per_update
 
 
-def iso_flop_updates(model: ModelConfig, spec: str, reference: Schedule | float, *, batch_size: int,
-                     seq_len: int, seed: int = 0, include_embeddings: bool = False) -> int:
+def iso_flop_updates(
+    model: ModelConfig,
+    spec: str,
+    reference: Schedule | float,
+    *,
+    batch_size: int,
+    seq_len: int,
+    seed: int = 0,
+    include_embeddings: bool = False,
+) -> int:
     """The number of updates n for which a run of schedule `spec` (laid out over n
     updates, so a fixed-first switch moves with n) has expected modeled compute closest
     to `reference`: a schedule's whole-run compute, or a FLOP budget.
@@ -132,14 +160,20 @@ def iso_flop_updates(model: ModelConfig, spec: str, reference: Schedule | float,
     if isinstance(reference, (int, float)):
         budget = float(reference)
     else:
-        budget = schedule_flops(model, reference, batch_size=batch_size, seq_len=seq_len,
-                                include_embeddings=include_embeddings)
+        budget = schedule_flops(
+            model, reference, batch_size=batch_size, seq_len=seq_len, include_embeddings=include_embeddings
+        )
     if not budget > 0:
         raise ValueError(f"the FLOP budget must be > 0, got {budget}")
 
     def run_flops(n: int) -> float:
-        return schedule_flops(model, parse_schedule(spec, seed=seed, total_updates=n),
-                              batch_size=batch_size, seq_len=seq_len, include_embeddings=include_embeddings)
+        return schedule_flops(
+            model,
+            parse_schedule(spec, seed=seed, total_updates=n),
+            batch_size=batch_size,
+            seq_len=seq_len,
+            include_embeddings=include_embeddings,
+        )
 
     # A run's compute grows with its length (every update costs > 0), so bisect for the
     # first n reaching the budget, then keep whichever neighbour lands closer.
@@ -206,8 +240,17 @@ class FlopsReport:
         return asdict(self)
 
 
-def flops_report(model: ModelConfig, specs: Sequence[str], *, updates: int, batch_size: int, seq_len: int,
-                 seed: int = 0, include_embeddings: bool = False, match: str | None = None) -> FlopsReport:
+def flops_report(
+    model: ModelConfig,
+    specs: Sequence[str],
+    *,
+    updates: int,
+    batch_size: int,
+    seq_len: int,
+    seed: int = 0,
+    include_embeddings: bool = False,
+    match: str | None = None,
+) -> FlopsReport:
     """Modeled compute of each schedule over `updates` updates, relative to uniform:1-16,
     and optionally the run length at which schedule `match` matches the first one's
     compute. Bad specs raise InputError."""
@@ -220,14 +263,30 @@ def flops_report(model: ModelConfig, specs: Sequence[str], *, updates: int, batc
     rows = []
     for schedule in schedules:
         flops = schedule_flops(model, schedule, **shape)
-        rows.append(ScheduleFlops(spec=schedule.spec, modeled_flops=flops, mean_depth=mean_depth(schedule),
-                                  relative_to_uniform=flops / uniform_flops))
+        rows.append(
+            ScheduleFlops(
+                spec=schedule.spec,
+                modeled_flops=flops,
+                mean_depth=mean_depth(schedule),
+                relative_to_uniform=flops / uniform_flops,
+            )
+        )
     matched = None
     if match is not None:
         n = iso_flop_updates(model, match, schedules[0], seed=seed, **shape)
         sized = parse_schedule(match, seed=seed, total_updates=n)
-        matched = FlopMatch(spec=sized.spec, reference=schedules[0].spec, updates=n,
-                            modeled_flops=schedule_flops(model, sized, **shape),
-                            reference_flops=rows[0].modeled_flops)
-    return FlopsReport(updates=updates, batch_size=batch_size, seq_len=seq_len,
-                       include_embeddings=include_embeddings, schedules=tuple(rows), match=matched)
+        matched = FlopMatch(
+            spec=sized.spec,
+            reference=schedules[0].spec,
+            updates=n,
+            modeled_flops=schedule_flops(model, sized, **shape),
+            reference_flops=rows[0].modeled_flops,
+        )
+    return FlopsReport(
+        updates=updates,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        include_embeddings=include_embeddings,
+        schedules=tuple(rows),
+        match=matched,
+    )

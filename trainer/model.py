@@ -16,8 +16,8 @@ deepest one.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
-from typing import Iterable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -84,9 +84,13 @@ class ModelConfig:
             raise ValueError(f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model}")
         if (self.d_model // self.n_heads) % 2:
             raise ValueError("model.d_model / model.n_heads must be even for rotary embeddings")
-        choices = {"mlp": ("gelu", "swiglu"), "norm": ("pre", "sandwich"),
-                   "injection": ("concat", "add"), "adapter_init": ("sum", "input"),
-                   "init_state": ("zeros", "noise")}
+        choices = {
+            "mlp": ("gelu", "swiglu"),
+            "norm": ("pre", "sandwich"),
+            "injection": ("concat", "add"),
+            "adapter_init": ("sum", "input"),
+            "init_state": ("zeros", "noise"),
+        }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"model.{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -106,7 +110,7 @@ class ModelConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict) -> "ModelConfig":
+    def from_dict(cls, values: dict) -> ModelConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -136,8 +140,9 @@ class Rotary(nn.Module):
         angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)  # [T, Dh/2]
         # Non-persistent: derived from the config, so never part of a checkpoint.
         self.register_buffer("cos", angles.cos().repeat_interleave(2, dim=-1), persistent=False)  # [T, Dh]
-        self.register_buffer("sin", torch.stack((-angles.sin(), angles.sin()), dim=-1).flatten(-2),
-                             persistent=False)  # [T, Dh]
+        self.register_buffer(
+            "sin", torch.stack((-angles.sin(), angles.sin()), dim=-1).flatten(-2), persistent=False
+        )  # [T, Dh]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [..., T, Dh]: queries and keys together, so both take one pass
@@ -298,12 +303,11 @@ class LoopedTransformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, depth: int) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V] after `depth` core iterations."""
-        for _, state in self._states(input_ids, depth):
+        for _, state in self._states(input_ids, depth):  # noqa: B007 (the last state is the one read out)
             pass
         return self._readout(state)
 
-    def logits_by_depth(self, input_ids: torch.Tensor,
-                        depths: Sequence[int]) -> Iterator[tuple[int, torch.Tensor]]:
+    def logits_by_depth(self, input_ids: torch.Tensor, depths: Sequence[int]) -> Iterator[tuple[int, torch.Tensor]]:
         """Yield (s, logits [B, T, V]) for each s in sorted(set(depths)) from one pass
         of max(depths) iterations, reading out after each requested iteration."""
         wanted = sorted({int(s) for s in depths})
@@ -313,13 +317,14 @@ class LoopedTransformer(nn.Module):
             if k in wanted:
                 yield k, self._readout(state)
 
-    def nll_by_depth(self, input_ids: torch.Tensor, targets: torch.Tensor,
-                     depths: Sequence[int]) -> torch.Tensor:
+    def nll_by_depth(self, input_ids: torch.Tensor, targets: torch.Tensor, depths: Sequence[int]) -> torch.Tensor:
         """Mean token NLL at every depth in `depths` from one pass of max(depths)
         iterations; returns Tensor[len(depths)] (float32) in the order given.
         Targets equal to IGNORE_INDEX are skipped."""
-        nll = {s: F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
-               for s, logits in self.logits_by_depth(input_ids, depths)}
+        nll = {
+            s: F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+            for s, logits in self.logits_by_depth(input_ids, depths)
+        }
         return torch.stack([nll[int(s)] for s in depths])
 
     def compile_blocks(self) -> None:
@@ -333,11 +338,13 @@ class LoopedTransformer(nn.Module):
     def parameter_groups(self) -> dict[str, int]:
         """Parameter counts by role: embedding, prelude, adapter, core, coda, norms, head.
         The head is counted separately even when tied."""
-        counts = {"embedding": self.embed.weight.numel(),
-                  "prelude": sum(p.numel() for p in self.prelude.parameters()),
-                  "adapter": self.adapter.weight.numel() if self.adapter is not None else 0,
-                  "core": sum(p.numel() for p in self.core.parameters()),
-                  "coda": sum(p.numel() for p in self.coda.parameters()),
-                  "norms": self.loop_norm.weight.numel() + self.final_norm.weight.numel(),
-                  "head": self.head.weight.numel()}
+        counts = {
+            "embedding": self.embed.weight.numel(),
+            "prelude": sum(p.numel() for p in self.prelude.parameters()),
+            "adapter": self.adapter.weight.numel() if self.adapter is not None else 0,
+            "core": sum(p.numel() for p in self.core.parameters()),
+            "coda": sum(p.numel() for p in self.coda.parameters()),
+            "norms": self.loop_norm.weight.numel() + self.final_norm.weight.numel(),
+            "head": self.head.weight.numel(),
+        }
         return counts

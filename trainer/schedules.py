@@ -272,8 +272,10 @@ class ProgressiveSchedule:
     @property
     def spec(self) -> str:
         """Canonical spec string."""
-        return (f"progressive:mean={_fmt(self.mean)},sigma={_fmt(self.sigma)},max={self.max},"
-                f"warmup={_fmt(self.warmup)},shape={self.shape}")
+        return (
+            f"progressive:mean={_fmt(self.mean)},sigma={_fmt(self.sigma)},max={self.max},"
+            f"warmup={_fmt(self.warmup)},shape={self.shape}"
+        )
 
     @property
     def max_depth(self) -> int:
@@ -368,8 +370,7 @@ class FixedFirstSchedule:
         """Depth distribution averaged over steps [0, updates) (default: the whole run)."""
         updates = _check_updates(self, updates)
         fixed_steps = min(self.switch_step, updates)
-        average = {k: p * (updates - fixed_steps) / updates
-                   for k, p in self.finish.average_distribution().items()}
+        average = {k: p * (updates - fixed_steps) / updates for k, p in self.finish.average_distribution().items()}
         average[self.k0] = average.get(self.k0, 0.0) + fixed_steps / updates
         return dict(sorted(average.items()))
 
@@ -386,6 +387,7 @@ def _check_updates(schedule: Schedule, updates: int | None) -> int:
 
 
 # --- parsing --------------------------------------------------------------------------------
+
 
 def _int(key: str, text: str) -> int:
     try:
@@ -432,20 +434,26 @@ def _parse_uniform(body: str, seed: int, total_updates: int) -> UniformSchedule:
 
 def _parse_pln(body: str, seed: int, total_updates: int) -> PLNSchedule:
     values = _key_values(body, ("mean", "sigma", "max"))
-    return PLNSchedule(mean=_float("mean", values.get("mean", "8")),
-                       sigma=_float("sigma", values.get("sigma", "0.5")),
-                       max=_int("max", values.get("max", "16")),
-                       seed=seed, total_updates=total_updates)
+    return PLNSchedule(
+        mean=_float("mean", values.get("mean", "8")),
+        sigma=_float("sigma", values.get("sigma", "0.5")),
+        max=_int("max", values.get("max", "16")),
+        seed=seed,
+        total_updates=total_updates,
+    )
 
 
 def _parse_progressive(body: str, seed: int, total_updates: int) -> ProgressiveSchedule:
     values = _key_values(body, ("mean", "sigma", "max", "warmup", "shape"))
-    return ProgressiveSchedule(mean=_float("mean", values.get("mean", "8")),
-                               sigma=_float("sigma", values.get("sigma", "0.5")),
-                               max=_int("max", values.get("max", "16")),
-                               warmup=_float("warmup", values.get("warmup", "0.75")),
-                               shape=values.get("shape", "1-sqrt"),
-                               seed=seed, total_updates=total_updates)
+    return ProgressiveSchedule(
+        mean=_float("mean", values.get("mean", "8")),
+        sigma=_float("sigma", values.get("sigma", "0.5")),
+        max=_int("max", values.get("max", "16")),
+        warmup=_float("warmup", values.get("warmup", "0.75")),
+        shape=values.get("shape", "1-sqrt"),
+        seed=seed,
+        total_updates=total_updates,
+    )
 
 
 def _parse_fixed(body: str, seed: int, total_updates: int) -> FixedSchedule:
@@ -468,13 +476,22 @@ def _parse_fixed_first(body: str, seed: int, total_updates: int) -> FixedFirstSc
         finish = PARSERS[kind](finish_spec.partition(":")[2].strip(), seed, total_updates)
     except ValueError as err:
         raise ValueError(f"finish {finish_spec!r}: {err}") from None
-    return FixedFirstSchedule(k0=_int("k0", values.get("k0", "4")),
-                              switch=_float("switch", values.get("switch", "0.8")),
-                              finish=finish, seed=seed, total_updates=total_updates)
+    return FixedFirstSchedule(
+        k0=_int("k0", values.get("k0", "4")),
+        switch=_float("switch", values.get("switch", "0.8")),
+        finish=finish,
+        seed=seed,
+        total_updates=total_updates,
+    )
 
 
-PARSERS = {"fixed": _parse_fixed, "uniform": _parse_uniform, "pln": _parse_pln,
-           "progressive": _parse_progressive, "fixed-first": _parse_fixed_first}
+PARSERS = {
+    "fixed": _parse_fixed,
+    "uniform": _parse_uniform,
+    "pln": _parse_pln,
+    "progressive": _parse_progressive,
+    "fixed-first": _parse_fixed_first,
+}
 
 
 def parse_schedule(spec: str, *, seed: int, total_updates: int) -> Schedule:

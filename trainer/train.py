@@ -33,12 +33,26 @@ from torch.nn.parallel import DistributedDataParallel
 
 from common.errors import InputError
 from common.progress import progress_bar
-from trainer.checkpoint import (atomic_write_text, build_optimizer, load_snapshot, save_checkpoint,
-                                save_snapshot, set_rng_state)
+from trainer.checkpoint import (
+    atomic_write_text,
+    build_optimizer,
+    load_snapshot,
+    save_checkpoint,
+    save_snapshot,
+    set_rng_state,
+)
 from trainer.config import OptimConfig, RunConfig
 from trainer.data import build_source
-from trainer.distributed import (World, all_gather_ints, all_reduce_int, all_reduce_sum, barrier, init_world,
-                                 native_bf16, shutdown_world)
+from trainer.distributed import (
+    World,
+    all_gather_ints,
+    all_reduce_int,
+    all_reduce_sum,
+    barrier,
+    init_world,
+    native_bf16,
+    shutdown_world,
+)
 from trainer.flops import update_flops
 from trainer.model import IGNORE_INDEX, LoopedTransformer
 from trainer.schedules import parse_schedule
@@ -92,22 +106,22 @@ def counted_targets(batch: torch.Tensor) -> int:
     return int((batch[:, 1:] != IGNORE_INDEX).sum())
 
 
-def loss_sum_of(model: torch.nn.Module, batch: torch.Tensor, depth: int, *,
-                precision: str = "fp32") -> torch.Tensor:
+def loss_sum_of(model: torch.nn.Module, batch: torch.Tensor, depth: int, *, precision: str = "fp32") -> torch.Tensor:
     """Summed token cross-entropy of `batch` int64 [B, T+1] at `depth`: inputs
     batch[:, :-1], targets batch[:, 1:], IGNORE_INDEX skipped; the forward runs under
     bf16 autocast when precision='bf16', the loss in fp32."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
-    autocast = torch.autocast(device_type=batch.device.type, dtype=torch.bfloat16) \
-        if precision == "bf16" else contextlib.nullcontext()
+    autocast = (
+        torch.autocast(device_type=batch.device.type, dtype=torch.bfloat16)
+        if precision == "bf16"
+        else contextlib.nullcontext()
+    )
     with autocast:
         logits = model(inputs, depth=depth)  # [B, T, V]
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def training_loss(model: torch.nn.Module, batch: torch.Tensor, depth: int, *,
-                  precision: str = "fp32") -> torch.Tensor:
+def training_loss(model: torch.nn.Module, batch: torch.Tensor, depth: int, *, precision: str = "fp32") -> torch.Tensor:
     """The loss one single-process training update differentiates: mean token
     cross-entropy of `batch` int64 [B, T+1] at `depth` (bit-identical to the loop's)."""
     return loss_sum_of(model, batch, depth, precision=precision) / float(counted_targets(batch))
@@ -131,8 +145,15 @@ class TrainStep:
     Nothing is read back to the host: the loss sum and the gradient norm come back as
     tensors, and a device keeps working until the caller logs them."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, precision: str = "fp32",
-                 grad_clip: float = 0.0, forward: torch.nn.Module | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        precision: str = "fp32",
+        grad_clip: float = 0.0,
+        forward: torch.nn.Module | None = None,
+    ):
         self.model = model
         self.optimizer = optimizer
         self.precision = precision
@@ -142,17 +163,22 @@ class TrainStep:
         self.params = [p for p in model.parameters() if p.requires_grad]
 
     @classmethod
-    def for_run(cls, model: torch.nn.Module, config: RunConfig,
-                forward: torch.nn.Module | None = None) -> "TrainStep":
+    def for_run(cls, model: torch.nn.Module, config: RunConfig, forward: torch.nn.Module | None = None) -> TrainStep:
         """The run's optimizer over `model` (already on its device) and the run's settings;
         compiles the model's blocks when the run asks for it."""
         if config.train.compile:
             model.compile_blocks()
-        return cls(model, build_optimizer(model, config.optim), precision=config.train.precision,
-                   grad_clip=config.optim.grad_clip, forward=forward)
+        return cls(
+            model,
+            build_optimizer(model, config.optim),
+            precision=config.train.precision,
+            grad_clip=config.optim.grad_clip,
+            forward=forward,
+        )
 
-    def __call__(self, batch: torch.Tensor, depth: int, lr: float,
-                 divisor: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, batch: torch.Tensor, depth: int, lr: float, divisor: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Take one update on `batch` int64 [B, T+1] (on the model's device) at `depth` with
         learning rate `lr`; returns (summed token loss, gradient norm before clipping).
         The loss is divided by `divisor`, by default this batch's counted targets (under
@@ -193,8 +219,12 @@ class TrainSummary:
 
 def _config_differences(stored: RunConfig, given: RunConfig) -> list[str]:
     before, after = stored.to_dict(), given.to_dict()
-    return [f"{section}.{key}: {before[section][key]!r} -> {after[section][key]!r}"
-            for section in before for key in before[section] if before[section][key] != after[section][key]]
+    return [
+        f"{section}.{key}: {before[section][key]!r} -> {after[section][key]!r}"
+        for section in before
+        for key in before[section]
+        if before[section][key] != after[section][key]
+    ]
 
 
 def _start_metrics(path: Path, keep_before: int) -> float:
@@ -239,12 +269,17 @@ def _train(config: RunConfig, run_dir: Path, world: World, *, resume: bool, prog
         raise InputError(f"train.batch_size={tc.batch_size}: not divisible by the {world.world_size} processes")
     schedule = parse_schedule(tc.schedule, seed=tc.seed, total_updates=tc.updates)
     if tc.precision == "bf16" and not native_bf16(world.device) and world.is_main:
-        warnings.warn(f"train.precision='bf16': {world.device} has no native bf16 matmuls, so autocast "
-                      "emulates them and runs slower than fp32; consider --set train.precision=fp32", stacklevel=2)
+        warnings.warn(
+            f"train.precision='bf16': {world.device} has no native bf16 matmuls, so autocast "
+            "emulates them and runs slower than fp32; consider --set train.precision=fp32",
+            stacklevel=2,
+        )
     source = build_source(config.data)
     if config.model.vocab_size < source.vocab_size:
-        raise InputError(f"model.vocab_size={config.model.vocab_size} is smaller than the data's vocabulary "
-                         f"({source.vocab_size} tokens)")
+        raise InputError(
+            f"model.vocab_size={config.model.vocab_size} is smaller than the data's vocabulary "
+            f"({source.vocab_size} tokens)"
+        )
     eval_tokens = source.eval_tokens(config.data.eval_sequences, tc.seq_len)  # [E, T+1]
 
     torch.manual_seed(tc.seed)
@@ -258,9 +293,11 @@ def _train(config: RunConfig, run_dir: Path, world: World, *, resume: bool, prog
         state = load_snapshot(checkpoint_path)
         differences = _config_differences(state.config, config)
         if differences:
-            raise InputError(f"{checkpoint_path}: the run was trained with another config "
-                             f"({'; '.join(differences)}); resume with the stored {run_dir / 'config.json'} "
-                             "or train into a new directory")
+            raise InputError(
+                f"{checkpoint_path}: the run was trained with another config "
+                f"({'; '.join(differences)}); resume with the stored {run_dir / 'config.json'} "
+                "or train into a new directory"
+            )
         model.load_state_dict(state.model_state)
         set_rng_state(state.rng)
         start, counters = state.step, dict(state.progress)
@@ -268,8 +305,11 @@ def _train(config: RunConfig, run_dir: Path, world: World, *, resume: bool, prog
         raise InputError(f"{run_dir}: already holds a run ({checkpoint_path.name}); resume it or choose another output")
     model.to(world.device)
     # Every parameter takes part at every depth, so DDP needs no unused-parameter search.
-    ddp = DistributedDataParallel(model, device_ids=[world.device.index] if world.device.type == "cuda" else None) \
-        if world.distributed else None
+    ddp = (
+        DistributedDataParallel(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
+        if world.distributed
+        else None
+    )
     update = TrainStep.for_run(model, config, forward=ddp)  # after the move: loaded state follows the parameters
     optimizer = update.optimizer
     if state is not None:
@@ -283,12 +323,16 @@ def _train(config: RunConfig, run_dir: Path, world: World, *, resume: bool, prog
     barrier(world)
 
     switch = schedule.switch_step
-    snapshot_at = {} if switch is None else {switch + n: n for n in tc.snapshot_uniform_updates
-                                             if switch + n <= tc.updates}
+    snapshot_at = (
+        {} if switch is None else {switch + n: n for n in tc.snapshot_uniform_updates if switch + n <= tc.updates}
+    )
     beyond = [n for n in tc.snapshot_uniform_updates if switch is not None and switch + n > tc.updates]
     if beyond and world.is_main:
-        warnings.warn(f"train.snapshot_uniform_updates {beyond}: the run ends {tc.updates - switch} updates "
-                      "after the switch, so these snapshots are not written", stacklevel=2)
+        warnings.warn(
+            f"train.snapshot_uniform_updates {beyond}: the run ends {tc.updates - switch} updates "
+            "after the switch, so these snapshots are not written",
+            stacklevel=2,
+        )
     written_checkpoints: list[str] = []
     written_snapshots: list[str] = []
 
@@ -306,16 +350,35 @@ def _train(config: RunConfig, run_dir: Path, world: World, *, resume: bool, prog
             return
         next_lr = lr_at(step, config.optim, tc.updates)
         if step in snapshot_at:
-            batches = torch.stack([source.batch(tc.seed, step + i, tc.batch_size, tc.seq_len)
-                                   for i in range(tc.snapshot_batches)])  # [n, B, T+1]
+            batches = torch.stack(
+                [source.batch(tc.seed, step + i, tc.batch_size, tc.seq_len) for i in range(tc.snapshot_batches)]
+            )  # [n, B, T+1]
             path = run_dir / SNAPSHOT_DIR / snapshot_name(snapshot_at[step], step)
-            save_snapshot(path, config=config, step=step, uniform_updates=uniform_updates(step), model=model,
-                          optimizer=optimizer, lr=next_lr, batches=batches, eval_tokens=eval_tokens)
+            save_snapshot(
+                path,
+                config=config,
+                step=step,
+                uniform_updates=uniform_updates(step),
+                model=model,
+                optimizer=optimizer,
+                lr=next_lr,
+                batches=batches,
+                eval_tokens=eval_tokens,
+            )
             written_snapshots.append(str(path))
         if checkpoint_due(step):
             path = run_dir / CHECKPOINT_DIR / checkpoint_name(step)
-            save_checkpoint(path, config=config, step=step, uniform_updates=uniform_updates(step), model=model,
-                            optimizer=optimizer, lr=next_lr, eval_tokens=eval_tokens, progress=counters)
+            save_checkpoint(
+                path,
+                config=config,
+                step=step,
+                uniform_updates=uniform_updates(step),
+                model=model,
+                optimizer=optimizer,
+                lr=next_lr,
+                eval_tokens=eval_tokens,
+                progress=counters,
+            )
             atomic_write_text(path.name + "\n", path.parent / LATEST)
             written_checkpoints.append(str(path))
 
@@ -329,8 +392,9 @@ def _train(config: RunConfig, run_dir: Path, world: World, *, resume: bool, prog
         for step in range(start, tc.updates):
             depth = schedule.depth_at(step)
             lr = lr_at(step, config.optim, tc.updates)
-            batch = source.batch(tc.seed, step, tc.batch_size, tc.seq_len, rank=world.rank,
-                                 world_size=world.world_size)  # [B/world, T+1], on the CPU
+            batch = source.batch(
+                tc.seed, step, tc.batch_size, tc.seq_len, rank=world.rank, world_size=world.world_size
+            )  # [B/world, T+1], on the CPU
             # The mean over the global batch's counted tokens. DDP averages gradients over ranks,
             # so each rank divides its sum by the mean count per rank; on one process this is
             # exactly `training_loss`.
@@ -353,9 +417,16 @@ def _train(config: RunConfig, run_dir: Path, world: World, *, resume: bool, prog
                 interval_loss.zero_()
                 interval_tokens.zero_()
                 if metrics is not None:
-                    record: dict[str, Any] = {"step": step, "depth": depth, "loss": final_loss, "lr": lr,
-                                              "grad_norm": float(grad_norm), "tokens": int(counters["tokens"]),
-                                              "flops": counters["flops"], "wall_time": counters["wall_time"]}
+                    record: dict[str, Any] = {
+                        "step": step,
+                        "depth": depth,
+                        "loss": final_loss,
+                        "lr": lr,
+                        "grad_norm": float(grad_norm),
+                        "tokens": int(counters["tokens"]),
+                        "flops": counters["flops"],
+                        "wall_time": counters["wall_time"],
+                    }
                     if world.distributed:
                         record["rank_depths"] = depths
                     metrics.write(json.dumps(record) + "\n")
@@ -367,10 +438,17 @@ def _train(config: RunConfig, run_dir: Path, world: World, *, resume: bool, prog
         bar.close()
         if metrics is not None:
             metrics.close()
-    summary = TrainSummary(run_dir=str(run_dir), updates=tc.updates, resumed_from=start, final_loss=final_loss,
-                           tokens=int(counters["tokens"]), flops=counters["flops"],
-                           wall_time=counters["wall_time"], checkpoints=tuple(written_checkpoints),
-                           snapshots=tuple(written_snapshots))
+    summary = TrainSummary(
+        run_dir=str(run_dir),
+        updates=tc.updates,
+        resumed_from=start,
+        final_loss=final_loss,
+        tokens=int(counters["tokens"]),
+        flops=counters["flops"],
+        wall_time=counters["wall_time"],
+        checkpoints=tuple(written_checkpoints),
+        snapshots=tuple(written_snapshots),
+    )
     if world.is_main:
         atomic_write_text(json.dumps(asdict(summary), indent=2) + "\n", run_dir / "summary.json")
     barrier(world)
