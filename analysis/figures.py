@@ -30,6 +30,7 @@ from analysis.stats import (
     plural,
 )
 from analysis.store import atomic_output
+from common.errors import InputError
 
 STYLE = "whitegrid"
 PALETTE = "colorblind"
@@ -50,7 +51,7 @@ def _select_snapshots(intervals: xr.Dataset, uniform_updates: Sequence[int]) -> 
     missing = [u for u in uniform_updates if u not in available]
     selected = [available.index(u) for u in uniform_updates if u in available]
     if not selected:
-        raise ValueError(
+        raise InputError(
             f"no snapshot after {', '.join(map(str, uniform_updates))} uniform updates "
             f"(the results have {', '.join(map(str, available))})"
         )
@@ -235,7 +236,7 @@ def save_figure(fig: Figure, out: str | os.PathLike, *, dpi: int = 200) -> list[
     out = Path(out)
     # Checked before anything is written: the temporary file's name cannot tell matplotlib the format.
     if out.suffix.lstrip(".").lower() not in fig.canvas.get_supported_filetypes():
-        raise ValueError(f"{out}: unknown image format {out.suffix or '(no extension)'}; use e.g. .png or .pdf")
+        raise InputError(f"{out}: unknown image format {out.suffix or '(no extension)'}; use e.g. .png or .pdf")
     out.parent.mkdir(parents=True, exist_ok=True)
     paths = [out] if out.suffix.lower() == ".pdf" else [out, out.with_suffix(".pdf")]
     for path in paths:

@@ -24,6 +24,8 @@ import numpy as np
 import scipy.stats
 import xarray as xr
 
+from common.errors import InputError
+
 Method = Literal["t", "bca"]
 METHODS = ("t", "bca")
 
@@ -91,11 +93,11 @@ class IntervalOptions:
 
     def __post_init__(self) -> None:
         if not 0 < self.level < 1:
-            raise ValueError(f"confidence level must be in (0, 1), got {self.level}")
+            raise InputError(f"confidence level must be in (0, 1), got {self.level}")
         if self.method not in METHODS:
-            raise ValueError(f"interval method must be one of {', '.join(METHODS)}, got {self.method!r}")
+            raise InputError(f"interval method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.n_resamples < 1:
-            raise ValueError(f"n_resamples must be positive, got {self.n_resamples}")
+            raise InputError(f"n_resamples must be positive, got {self.n_resamples}")
 
 
 def replication_units(benefit: xr.DataArray, *, seed_dim: str = "seed") -> tuple[xr.DataArray, str]:
@@ -369,7 +371,7 @@ def decay_point(uniform_updates, values, *, fraction: float = 0.05) -> int | Non
     counts = np.asarray(uniform_updates)[order]
     values = np.asarray(values, dtype=np.float64)[order]
     if counts.size == 0 or counts[0] != 0:
-        raise ValueError("no snapshot at the switch (0 uniform updates) to measure the decay from")
+        raise InputError("no snapshot at the switch (0 uniform updates) to measure the decay from")
     switch = values[0]
     if not switch > 0:
         return None

@@ -21,19 +21,16 @@ from common.choices import EVAL_SET_CHOICES, ISOLATE_CHOICES, RMS_MATCH_CHOICES
 from common.errors import InputError
 
 
-class Context:
-    debug: bool = False
-
-
 def reports_input_errors(command):
-    """Turn InputError (and ValueError from config validation) into a one-line message and exit 2."""
+    """Turn InputError, the project's bad-input error, into a one-line message and exit 2.
+    Any other exception is a bug and keeps its traceback (exit 1)."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except (InputError, ValueError) as err:
-            if Context.debug:
+        except InputError as err:
+            if click.get_current_context().find_root().params.get("debug"):
                 raise
             click.echo(f"depthdiag: error: {err}", err=True)
             sys.exit(2)
@@ -53,7 +50,6 @@ def main(debug: bool) -> None:
       depthdiag summarize results/tiny.h5
       depthdiag plot results/tiny.h5 --figure 4 --out figures/figure4.png
     """
-    Context.debug = debug
 
 
 # --- flops ----------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import xarray as xr
 from torch import Tensor
 
 from common.choices import ISOLATE_CHOICES, PRECISION_CHOICES, RMS_MATCH_CHOICES
+from common.errors import InputError
 from diag.optim_step import OptimizerStep, optimizer_step
 
 IGNORE_INDEX = -1
@@ -42,10 +43,10 @@ def _depth_tuple(values: Iterable[int], name: str) -> tuple[int, ...]:
     depths = tuple(values)
     for d in depths:
         if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1:
-            raise ValueError(f"{name} must be positive integers, got {d!r}")
+            raise InputError(f"{name} must be positive integers, got {d!r}")
     depths = tuple(int(d) for d in depths)
     if len(set(depths)) != len(depths):
-        raise ValueError(f"{name} must not repeat a depth, got {list(depths)}")
+        raise InputError(f"{name} must not repeat a depth, got {list(depths)}")
     return depths
 
 
@@ -74,23 +75,23 @@ class DiagnosticOptions:
         object.__setattr__(self, "update_depths", _depth_tuple(self.update_depths, "update_depths"))
         object.__setattr__(self, "serving_depths", _depth_tuple(self.serving_depths, "serving_depths"))
         if len(self.update_depths) < 2:
-            raise ValueError(f"update_depths needs at least two depths to compare, got {list(self.update_depths)}")
+            raise InputError(f"update_depths needs at least two depths to compare, got {list(self.update_depths)}")
         if not self.serving_depths:
-            raise ValueError("serving_depths must not be empty")
+            raise InputError("serving_depths must not be empty")
         if not self.depth_kwarg.isidentifier():
-            raise ValueError(f"depth_kwarg must be a keyword name, got {self.depth_kwarg!r}")
+            raise InputError(f"depth_kwarg must be a keyword name, got {self.depth_kwarg!r}")
         if self.isolate not in ISOLATE_CHOICES:
-            raise ValueError(f"isolate must be one of {ISOLATE_CHOICES}, got {self.isolate!r}")
+            raise InputError(f"isolate must be one of {ISOLATE_CHOICES}, got {self.isolate!r}")
         if self.rms_match not in RMS_MATCH_CHOICES:
-            raise ValueError(f"rms_match must be one of {RMS_MATCH_CHOICES}, got {self.rms_match!r}")
+            raise InputError(f"rms_match must be one of {RMS_MATCH_CHOICES}, got {self.rms_match!r}")
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr must be a positive number, got {self.lr!r}")
+            raise InputError(f"lr must be a positive number, got {self.lr!r}")
         if self.grad_clip is not None and not self.grad_clip >= 0:
-            raise ValueError(f"grad_clip must be >= 0, got {self.grad_clip!r}")
+            raise InputError(f"grad_clip must be >= 0, got {self.grad_clip!r}")
         if self.precision not in PRECISION_CHOICES:
-            raise ValueError(f"precision must be one of {PRECISION_CHOICES}, got {self.precision!r}")
+            raise InputError(f"precision must be one of {PRECISION_CHOICES}, got {self.precision!r}")
         if self.eval_batch_size < 1:
-            raise ValueError(f"eval_batch_size must be >= 1, got {self.eval_batch_size}")
+            raise InputError(f"eval_batch_size must be >= 1, got {self.eval_batch_size}")
 
 
 # --- pure update arithmetic --------------------------------------------------------------------
@@ -136,7 +137,7 @@ def match_rms(updates: Sequence[Sequence[Tensor]], mode: str) -> tuple[list[list
     Returns the scaled updates and each depth's global scale RMS(scaled) / RMS(u_K).
     """
     if mode not in RMS_MATCH_CHOICES:
-        raise ValueError(f"rms_match must be one of {RMS_MATCH_CHOICES}, got {mode!r}")
+        raise InputError(f"rms_match must be one of {RMS_MATCH_CHOICES}, got {mode!r}")
     rms = [global_rms(u) for u in updates]
     if mode == "none":
         return [list(u) for u in updates], [1.0] * len(updates)
@@ -174,9 +175,9 @@ def _logits(output) -> Tensor:
 def _check_tokens(tokens: Tensor, name: str) -> Tensor:
     if not torch.is_tensor(tokens) or tokens.dim() != 2 or tokens.shape[1] < 2:
         shape = tuple(tokens.shape) if torch.is_tensor(tokens) else type(tokens).__name__
-        raise ValueError(f"{name} must be an integer tensor [rows, T+1] with T >= 1, got {shape}")
+        raise InputError(f"{name} must be an integer tensor [rows, T+1] with T >= 1, got {shape}")
     if tokens.is_floating_point() or tokens.is_complex():
-        raise ValueError(f"{name} must hold integer token ids, got {tokens.dtype}")
+        raise InputError(f"{name} must hold integer token ids, got {tokens.dtype}")
     return tokens.long()
 
 
@@ -231,10 +232,10 @@ class UpdateDiagnostic:
         stepped = []
         for p in self.step.params:
             if id(p) not in names_by_id:
-                raise ValueError("the optimizer holds a parameter that is not one of the model's parameters")
+                raise InputError("the optimizer holds a parameter that is not one of the model's parameters")
             stepped.append(names_by_id[id(p)])
         if len(set(stepped)) != len(stepped):
-            raise ValueError("the optimizer lists a parameter more than once")
+            raise InputError("the optimizer lists a parameter more than once")
         # The optimizer's clones are the same numbers: share them instead of holding two copies.
         shared = dict(zip(stepped, self.step.theta))
         values = {
@@ -252,7 +253,7 @@ class UpdateDiagnostic:
         targets = self.eval_tokens[:, 1:]
         if eval_mask is not None:
             if not torch.is_tensor(eval_mask) or eval_mask.dtype != torch.bool or eval_mask.shape != targets.shape:
-                raise ValueError(
+                raise InputError(
                     f"eval_mask must be a bool tensor of the targets' shape {list(targets.shape)} (eval_tokens[:, 1:])"
                 )
             targets = targets.masked_fill(~eval_mask.to(self.device), IGNORE_INDEX)
@@ -264,7 +265,7 @@ class UpdateDiagnostic:
             int((rows != IGNORE_INDEX).sum()) for rows in self.eval_targets.split(options.eval_batch_size)
         ]
         if sum(self._chunk_counts) == 0:
-            raise ValueError("the evaluation set has no counted target (all IGNORE_INDEX or masked out)")
+            raise InputError("the evaluation set has no counted target (all IGNORE_INDEX or masked out)")
         self._delta0: list[Tensor] | None = None
         self._nll_before: np.ndarray | None = None
         self._nll_module = _NllByDepth(model) if callable(getattr(model, "nll_by_depth", None)) else None

@@ -28,6 +28,8 @@ from torch import Tensor
 from torch.optim.adam import adam as adam_kernel
 from torch.optim.sgd import sgd as sgd_kernel
 
+from common.errors import InputError
+
 
 def _as_float(value) -> float:
     return float(value.item()) if torch.is_tensor(value) else float(value)
@@ -78,7 +80,7 @@ class OptimizerStep:
 
     def linear(self, direction: Sequence[Tensor]) -> list[Tensor]:
         """d/de Delta(e * direction) at e = 0 (fp32, flat order)."""
-        raise ValueError(
+        raise InputError(
             f"isolate='linear' needs the update rule written out; it supports Adam, AdamW "
             f"and SGD, not {self.optimizer_class}"
         )
@@ -101,7 +103,7 @@ class OptimizerStep:
 
     def _check(self, grads: Sequence[Tensor]) -> list[Tensor]:
         if len(grads) != len(self.theta):
-            raise ValueError(f"expected {len(self.theta)} gradients, got {len(grads)}")
+            raise InputError(f"expected {len(self.theta)} gradients, got {len(grads)}")
         return [g.detach().to(dtype=torch.float32, device=t.device) for g, t in zip(grads, self.theta)]
 
 

@@ -99,15 +99,15 @@ class DiagnoseConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "snapshots", tuple(str(p) for p in self.snapshots))
         if not self.snapshots:
-            raise ValueError("no snapshot files given")
+            raise InputError("no snapshot files given")
         if self.batches is not None and self.batches < 1:
-            raise ValueError(f"--batches must be >= 1, got {self.batches}")
+            raise InputError(f"--batches must be >= 1, got {self.batches}")
         if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+            raise InputError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.eval_set not in EVAL_SET_CHOICES:
-            raise ValueError(f"eval set must be one of {EVAL_SET_CHOICES}, got {self.eval_set!r}")
+            raise InputError(f"eval set must be one of {EVAL_SET_CHOICES}, got {self.eval_set!r}")
         if self.resume and self.force:
-            raise ValueError("--resume and --force contradict each other: pick one")
+            raise InputError("--resume and --force contradict each other: pick one")
         # Validates depths, isolate, rms_match, lr and eval_batch_size with the engine's own rules.
         self.options(grad_clip=None, precision="fp32")
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from common.errors import InputError
 from common.progress import track
 from trainer.data import batch_rng, rank_rows
 
@@ -92,26 +93,26 @@ class BiosSpec:
             )
         n = len(ATTRIBUTES)
         if len(self.cardinalities) != n or len(self.value_lengths) != n:
-            raise ValueError(f"bioS needs {n} cardinalities and value lengths, one per attribute")
+            raise InputError(f"bioS needs {n} cardinalities and value lengths, one per attribute")
         if min(self.cardinalities) < 2 or min(self.value_lengths) < 1:
-            raise ValueError("bioS cardinalities must be >= 2 and value lengths >= 1")
+            raise InputError("bioS cardinalities must be >= 2 and value lengths >= 1")
         for attribute, cardinality, length in zip(ATTRIBUTES, self.cardinalities, self.value_lengths):
             if self.value_vocab**length < cardinality:
-                raise ValueError(
+                raise InputError(
                     f"bioS {attribute}: {cardinality} values do not fit in {length} token(s) "
                     f"of a {self.value_vocab}-token value vocabulary"
                 )
         if self.name_length < 1 or self.name_vocab < 1:
-            raise ValueError("bioS name_length and name_vocab must be >= 1")
+            raise InputError("bioS name_length and name_vocab must be >= 1")
         if len(self.training_orders) != len(self.evaluation_orders) or not self.training_orders:
-            raise ValueError("bioS needs as many evaluation orders as training orders (one per template)")
+            raise InputError("bioS needs as many evaluation orders as training orders (one per template)")
         for order in self.training_orders + self.evaluation_orders:
             if sorted(order) != list(range(n)):
-                raise ValueError(f"bioS template order {order} is not a permutation of 0..{n - 1}")
+                raise InputError(f"bioS template order {order} is not a permutation of 0..{n - 1}")
         if set(self.training_orders) & set(self.evaluation_orders):
-            raise ValueError("bioS evaluation orders must differ from every training order")
+            raise InputError("bioS evaluation orders must differ from every training order")
         if not 1 <= self.recall_min_templates <= self.templates:
-            raise ValueError(f"bioS recall_min_templates must be in [1, {self.templates}]")
+            raise InputError(f"bioS recall_min_templates must be in [1, {self.templates}]")
 
     @property
     def templates(self) -> int:
@@ -153,7 +154,7 @@ class BiosSpec:
             return f"N{token - self.first_name_token}"
         if token < self.vocab_size:
             return f"V{token - self.first_value_token}"
-        raise ValueError(f"token {token} is outside the bioS vocabulary of {self.vocab_size}")
+        raise InputError(f"token {token} is outside the bioS vocabulary of {self.vocab_size}")
 
     def layout(self, template: int, order: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """How to render a bio from a person's fact row (name tokens, then each
@@ -199,7 +200,7 @@ class BiosSource:
         """`people` fictional people, a pure function of (people, seed, spec)."""
         spec = spec or BiosSpec()
         if people < 1 or people > spec.name_vocab**spec.name_length:
-            raise ValueError(
+            raise InputError(
                 f"bioS people must be in [1, {spec.name_vocab**spec.name_length}] (distinct names), got {people}"
             )
         rng = np.random.Generator(np.random.PCG64([seed, _POPULATION_STREAM, _BIOS_SALT]))
@@ -263,7 +264,7 @@ class BiosSource:
         and, when asked, aligned with them the attribute each value token belongs to (-1
         elsewhere)."""
         if seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+            raise InputError(f"seq_len must be >= 1, got {seq_len}")
         per_row = -(-(seq_len + 1) // self.spec.bio_length)
         persons = rng.integers(0, self.people, size=(rows, per_row))[keep]
         templates = rng.integers(0, self.spec.templates, size=(rows, per_row))[keep]
@@ -287,7 +288,7 @@ class BiosSource:
         facts as trained; an NLL over evaluation orders would be dominated by the unpredictable
         next relation token, not by the facts (those orders are for recall)."""
         if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
+            raise InputError(f"n must be >= 1, got {n}")
         rng = np.random.Generator(np.random.PCG64([self.seed, _EVAL_STREAM, _BIOS_SALT]))
         return self._packed(rng, n, slice(None), seq_len, self._training)[0]
 
@@ -298,7 +299,7 @@ class BiosSource:
         mask bool [n, seq_len] over the targets tokens[:, 1:]; the same people and packing
         stream as `eval_tokens`."""
         if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
+            raise InputError(f"n must be >= 1, got {n}")
         rng = np.random.Generator(np.random.PCG64([self.seed, _EVAL_STREAM, _BIOS_SALT]))
         tokens, owners = self._packed(rng, n, slice(None), seq_len, self._evaluation, with_owners=True)
         return tokens, owners[:, 1:] >= 0
@@ -329,7 +330,7 @@ def score_recall(correct: np.ndarray, cardinalities: Sequence[int], min_template
     is worth log2(cardinality) bits; the bits are averaged over people."""
     correct = np.asarray(correct, dtype=bool)
     if correct.ndim != 3 or correct.shape[1] != len(cardinalities):
-        raise ValueError(f"correct must be [people, {len(cardinalities)}, templates], got {correct.shape}")
+        raise InputError(f"correct must be [people, {len(cardinalities)}, templates], got {correct.shape}")
     recalled = correct.sum(axis=2) >= min_templates  # [people, attributes]
     return float((recalled @ np.log2(np.asarray(cardinalities, dtype=np.float64))).mean())
 
@@ -373,7 +374,7 @@ def recall_bits(
     spec = source.spec
     depths = sorted(set(int(d) for d in depths))
     if not depths:
-        raise ValueError("depths must not be empty")
+        raise InputError("depths must not be empty")
     tokens, owner = source.recall_set()
     exact = torch.zeros(len(depths), len(tokens), len(ATTRIBUTES), dtype=torch.bool)
     was_training = model.training

@@ -40,15 +40,15 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if self.source not in ("bios", "bin", "text"):
-            raise ValueError(f"data.source must be 'bios', 'bin' or 'text', got {self.source!r}")
+            raise InputError(f"data.source must be 'bios', 'bin' or 'text', got {self.source!r}")
         if self.source in ("bin", "text") and not self.path:
-            raise ValueError(f"data.path is required for data.source={self.source!r}")
+            raise InputError(f"data.path is required for data.source={self.source!r}")
         if self.bin_dtype not in ("uint16", "uint32"):
-            raise ValueError(f"data.bin_dtype must be 'uint16' or 'uint32', got {self.bin_dtype!r}")
+            raise InputError(f"data.bin_dtype must be 'uint16' or 'uint32', got {self.bin_dtype!r}")
         if self.bios_people < 1 or self.eval_sequences < 1:
-            raise ValueError("data.bios_people and data.eval_sequences must be >= 1")
+            raise InputError("data.bios_people and data.eval_sequences must be >= 1")
         if self.seed < 0:
-            raise ValueError(f"data.seed must be >= 0 (numpy seeds are non-negative), got {self.seed}")
+            raise InputError(f"data.seed must be >= 0 (numpy seeds are non-negative), got {self.seed}")
 
 
 @dataclass(frozen=True)
@@ -78,15 +78,15 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         if self.name not in ("adamw", "sgd"):
-            raise ValueError(f"optim.name must be 'adamw' or 'sgd', got {self.name!r}")
+            raise InputError(f"optim.name must be 'adamw' or 'sgd', got {self.name!r}")
         if self.lr <= 0 or self.eps <= 0:
-            raise ValueError("optim.lr and optim.eps must be > 0")
+            raise InputError("optim.lr and optim.eps must be > 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1 and 0 <= self.momentum < 1):
-            raise ValueError("optim.beta1, optim.beta2 and optim.momentum must be in [0, 1)")
+            raise InputError("optim.beta1, optim.beta2 and optim.momentum must be in [0, 1)")
         if self.weight_decay < 0 or self.grad_clip < 0 or self.warmup < 0:
-            raise ValueError("optim.weight_decay, optim.grad_clip and optim.warmup must be >= 0")
+            raise InputError("optim.weight_decay, optim.grad_clip and optim.warmup must be >= 0")
         if not 0 <= self.decay_fraction <= 1 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError("optim.decay_fraction and optim.min_lr_ratio must be in [0, 1]")
+            raise InputError("optim.decay_fraction and optim.min_lr_ratio must be in [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -121,20 +121,20 @@ class TrainConfig:
         object.__setattr__(self, "snapshot_uniform_updates", tuple(self.snapshot_uniform_updates))
         for name in ("updates", "batch_size", "seq_len", "snapshot_batches", "log_every"):
             if getattr(self, name) < 1:
-                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+                raise InputError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if self.seed < 0:
-            raise ValueError(f"train.seed must be >= 0 (numpy seeds are non-negative), got {self.seed}")
+            raise InputError(f"train.seed must be >= 0 (numpy seeds are non-negative), got {self.seed}")
         if self.checkpoint_every < 0 or any(n < 0 for n in self.snapshot_uniform_updates):
-            raise ValueError("train.checkpoint_every and train.snapshot_uniform_updates must be >= 0")
+            raise InputError("train.checkpoint_every and train.snapshot_uniform_updates must be >= 0")
         if self.precision not in PRECISION_CHOICES:
-            raise ValueError(f"train.precision must be 'fp32' or 'bf16', got {self.precision!r}")
+            raise InputError(f"train.precision must be 'fp32' or 'bf16', got {self.precision!r}")
         if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"train.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+            raise InputError(f"train.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         # Parsed here so a bad spec is reported against the config file that holds it.
         try:
             parse_schedule(self.schedule, seed=self.seed, total_updates=self.updates)
         except InputError as err:
-            raise ValueError(f"train.schedule: {err}") from None
+            raise InputError(f"train.schedule: {err}") from None
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig}
@@ -153,7 +153,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         if self.train.seq_len > self.model.max_seq_len:
-            raise ValueError(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+            raise InputError(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: asdict(getattr(self, name)) for name in SECTIONS}

@@ -229,7 +229,7 @@ def choose_held_out(
     target = total - split_point(total, fraction)
     prefer = preference(len(sizes)) if prefer is None else prefer
     if sorted(prefer) != list(range(len(sizes))):
-        raise ValueError("prefer must be a permutation of the document indices")
+        raise InputError("prefer must be a permutation of the document indices")
     items = prefer[::-1]  # least preferred first; backtracking starts from the most preferred
     reach = [1]  # reach[k]: bit s set when some subset of items[:k] sums to s
     mask = (1 << (target + 1)) - 1

@@ -63,16 +63,16 @@ class TokenSource(Protocol):
 def batch_rng(seed: int, step: int) -> np.random.Generator:
     """The generator of one global batch: a pure function of (seed, step)."""
     if seed < 0 or step < 0:
-        raise ValueError(f"seed and step must be >= 0, got seed={seed}, step={step}")
+        raise InputError(f"seed and step must be >= 0, got seed={seed}, step={step}")
     return np.random.Generator(np.random.PCG64([seed, step]))
 
 
 def rank_rows(batch_size: int, rank: int, world_size: int) -> slice:
     """The contiguous rows of a global batch that belong to `rank`."""
     if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        raise InputError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
     if batch_size < 1 or batch_size % world_size:
-        raise ValueError(f"batch_size={batch_size} must be a positive multiple of world_size={world_size}")
+        raise InputError(f"batch_size={batch_size} must be a positive multiple of world_size={world_size}")
     per_rank = batch_size // world_size
     return slice(rank * per_rank, (rank + 1) * per_rank)
 
@@ -99,7 +99,7 @@ class WindowSource:
 
     def eval_tokens(self, n: int, seq_len: int) -> torch.Tensor:
         if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
+            raise InputError(f"n must be >= 1, got {n}")
         last_start = self._last_start(self.val, self.val_origin, seq_len)
         starts = np.linspace(0, last_start, n).round().astype(np.int64)
         return self._windows(self.val, starts, seq_len)
@@ -107,7 +107,7 @@ class WindowSource:
     @staticmethod
     def _last_start(tokens: np.ndarray, origin: str, seq_len: int) -> int:
         if seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+            raise InputError(f"seq_len must be >= 1, got {seq_len}")
         if len(tokens) < seq_len + 1:
             raise InputError(f"{origin}: {len(tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}")
         return len(tokens) - seq_len - 1

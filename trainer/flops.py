@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from common.errors import InputError
 from trainer.model import ModelConfig
 from trainer.schedules import Schedule, parse_schedule
 
@@ -55,12 +56,12 @@ def _attention_forward_per_token(model: ModelConfig, seq_len: int) -> float:
 
 def _check_shape(batch_size: int, seq_len: int) -> None:
     if batch_size < 1 or seq_len < 1:
-        raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
+        raise InputError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
 
 
 def _check_depth(depth: int) -> None:
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-        raise ValueError(f"depth must be a positive integer, got {depth!r}")
+        raise InputError(f"depth must be a positive integer, got {depth!r}")
 
 
 def update_flops(
@@ -91,7 +92,7 @@ def nll_by_depth_flops(
     max(depths) iterations with a readout (norms, coda, head) after each requested depth."""
     depths = sorted(set(depths))
     if not depths:
-        raise ValueError("depths must not be empty")
+        raise InputError("depths must not be empty")
     for depth in depths:
         _check_depth(depth)
     _check_shape(batch_size, seq_len)
@@ -164,7 +165,7 @@ def iso_flop_updates(
             model, reference, batch_size=batch_size, seq_len=seq_len, include_embeddings=include_embeddings
         )
     if not budget > 0:
-        raise ValueError(f"the FLOP budget must be > 0, got {budget}")
+        raise InputError(f"the FLOP budget must be > 0, got {budget}")
 
     def run_flops(n: int) -> float:
         return schedule_flops(
@@ -255,7 +256,7 @@ def flops_report(
     and optionally the run length at which schedule `match` matches the first one's
     compute. Bad specs raise InputError."""
     if not specs:
-        raise ValueError("at least one schedule is needed")
+        raise InputError("at least one schedule is needed")
     shape = dict(batch_size=batch_size, seq_len=seq_len, include_embeddings=include_embeddings)
     uniform = parse_schedule(UNIFORM_REFERENCE, seed=seed, total_updates=updates)
     uniform_flops = schedule_flops(model, uniform, **shape)

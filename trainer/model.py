@@ -23,6 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from common.errors import InputError
+
 IGNORE_INDEX = -1
 """Target value that `nll_by_depth` and the training loss skip."""
 
@@ -76,14 +78,14 @@ class ModelConfig:
         positive = ("vocab_size", "max_seq_len", "d_model", "n_heads", "n_core")
         for name in positive:
             if getattr(self, name) < 1:
-                raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+                raise InputError(f"model.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("n_prelude", "n_coda", "d_ff", "backprop_depth"):
             if getattr(self, name) < 0:
-                raise ValueError(f"model.{name} must be >= 0, got {getattr(self, name)}")
+                raise InputError(f"model.{name} must be >= 0, got {getattr(self, name)}")
         if self.d_model % self.n_heads:
-            raise ValueError(f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model}")
+            raise InputError(f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model}")
         if (self.d_model // self.n_heads) % 2:
-            raise ValueError("model.d_model / model.n_heads must be even for rotary embeddings")
+            raise InputError("model.d_model / model.n_heads must be even for rotary embeddings")
         choices = {
             "mlp": ("gelu", "swiglu"),
             "norm": ("pre", "sandwich"),
@@ -93,9 +95,9 @@ class ModelConfig:
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
-                raise ValueError(f"model.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+                raise InputError(f"model.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.state_noise_std < 0 or self.init_std <= 0 or self.norm_eps <= 0:
-            raise ValueError("model.state_noise_std must be >= 0; init_std and norm_eps > 0")
+            raise InputError("model.state_noise_std must be >= 0; init_std and norm_eps > 0")
 
     @property
     def ff_width(self) -> int:
@@ -114,7 +116,7 @@ class ModelConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"unknown model config keys: {', '.join(unknown)}")
+            raise InputError(f"unknown model config keys: {', '.join(unknown)}")
         return cls(**values)
 
 
@@ -254,7 +256,7 @@ class LoopedTransformer(nn.Module):
     def _prelude(self, input_ids: torch.Tensor) -> torch.Tensor:
         B, T = input_ids.shape
         if T > self.config.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.config.max_seq_len}")
+            raise InputError(f"sequence length {T} exceeds model.max_seq_len={self.config.max_seq_len}")
         e = self.embed(input_ids)  # [B, T, d]
         for block in self.prelude:
             e = block(e, self.rotary)
@@ -289,7 +291,7 @@ class LoopedTransformer(nn.Module):
         """Yield (k, s_k) for k = 1..depth. Truncated backprop runs the first
         depth - backprop_depth iterations without autograd, as Huginn does."""
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
-            raise ValueError(f"depth must be a positive integer, got {depth!r}")
+            raise InputError(f"depth must be a positive integer, got {depth!r}")
         e = self._prelude(input_ids)
         state = self._initial_state(e)
         no_grad_until = depth - self.config.backprop_depth if self.config.backprop_depth else 0
@@ -312,7 +314,7 @@ class LoopedTransformer(nn.Module):
         of max(depths) iterations, reading out after each requested iteration."""
         wanted = sorted({int(s) for s in depths})
         if not wanted:
-            raise ValueError("depths must not be empty")
+            raise InputError("depths must not be empty")
         for k, state in self._states(input_ids, wanted[-1]):
             if k in wanted:
                 yield k, self._readout(state)

@@ -58,7 +58,7 @@ def _generator(seed: int, step: int) -> np.random.Generator:
 
 def _check_step(step: int) -> int:
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-        raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        raise InputError(f"step must be a non-negative integer, got {step!r}")
     return int(step)
 
 
@@ -143,7 +143,7 @@ class FixedSchedule(_StationarySchedule):
 
     def __post_init__(self) -> None:
         if self.depth < 1:
-            raise ValueError("depth must be >= 1")
+            raise InputError("depth must be >= 1")
 
     @property
     def spec(self) -> str:
@@ -176,9 +176,9 @@ class UniformSchedule(_StationarySchedule):
 
     def __post_init__(self) -> None:
         if self.low < 1:
-            raise ValueError(f"depths must be >= 1, got low={self.low}")
+            raise InputError(f"depths must be >= 1, got low={self.low}")
         if self.high < self.low:
-            raise ValueError(f"range {self.low}-{self.high} is empty (need low <= high)")
+            raise InputError(f"range {self.low}-{self.high} is empty (need low <= high)")
 
     @property
     def spec(self) -> str:
@@ -214,11 +214,11 @@ class PLNSchedule(_StationarySchedule):
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.mean) and self.mean > 0):
-            raise ValueError(f"mean must be a finite number > 0, got {self.mean}")
+            raise InputError(f"mean must be a finite number > 0, got {self.mean}")
         if not (math.isfinite(self.sigma) and self.sigma >= 0):
-            raise ValueError(f"sigma must be a finite number >= 0, got {self.sigma}")
+            raise InputError(f"sigma must be a finite number >= 0, got {self.sigma}")
         if self.max < 1:
-            raise ValueError(f"max must be >= 1, got {self.max}")
+            raise InputError(f"max must be >= 1, got {self.max}")
 
     @property
     def spec(self) -> str:
@@ -259,15 +259,15 @@ class ProgressiveSchedule:
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.mean) and self.mean >= 1):
-            raise ValueError(f"mean must be a finite number >= 1 (the curve starts at 1), got {self.mean}")
+            raise InputError(f"mean must be a finite number >= 1 (the curve starts at 1), got {self.mean}")
         if not (math.isfinite(self.sigma) and self.sigma >= 0):
-            raise ValueError(f"sigma must be a finite number >= 0, got {self.sigma}")
+            raise InputError(f"sigma must be a finite number >= 0, got {self.sigma}")
         if self.max < 1:
-            raise ValueError(f"max must be >= 1, got {self.max}")
+            raise InputError(f"max must be >= 1, got {self.max}")
         if not 0 <= self.warmup <= 1:
-            raise ValueError(f"warmup must be in [0, 1], got {self.warmup}")
+            raise InputError(f"warmup must be in [0, 1], got {self.warmup}")
         if self.shape not in ("1-sqrt", "linear"):
-            raise ValueError(f"shape must be '1-sqrt' or 'linear', got {self.shape!r}")
+            raise InputError(f"shape must be '1-sqrt' or 'linear', got {self.shape!r}")
 
     @property
     def spec(self) -> str:
@@ -334,11 +334,11 @@ class FixedFirstSchedule:
 
     def __post_init__(self) -> None:
         if self.k0 < 1:
-            raise ValueError(f"k0 must be >= 1, got {self.k0}")
+            raise InputError(f"k0 must be >= 1, got {self.k0}")
         if not 0 <= self.switch <= 1:
-            raise ValueError(f"switch must be a fraction in [0, 1], got {_fmt(self.switch)}")
+            raise InputError(f"switch must be a fraction in [0, 1], got {_fmt(self.switch)}")
         if not isinstance(self.finish, (UniformSchedule, PLNSchedule)):
-            raise ValueError("finish must be a uniform or pln schedule")
+            raise InputError("finish must be a uniform or pln schedule")
         # The finishing phase draws from the run's own seed, whatever the finish was built with.
         object.__setattr__(self, "finish", replace(self.finish, seed=self.seed, total_updates=self.total_updates))
 
@@ -382,7 +382,7 @@ def _check_updates(schedule: Schedule, updates: int | None) -> int:
     if updates is None:
         return schedule.total_updates
     if not 1 <= updates <= schedule.total_updates:
-        raise ValueError(f"updates must be in [1, {schedule.total_updates}] for this schedule, got {updates}")
+        raise InputError(f"updates must be in [1, {schedule.total_updates}] for this schedule, got {updates}")
     return updates
 
 
@@ -393,16 +393,16 @@ def _int(key: str, text: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"{key} must be an integer, got {text!r}") from None
+        raise InputError(f"{key} must be an integer, got {text!r}") from None
 
 
 def _float(key: str, text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise ValueError(f"{key} must be a number, got {text!r}") from None
+        raise InputError(f"{key} must be a number, got {text!r}") from None
     if not math.isfinite(value):
-        raise ValueError(f"{key} must be finite, got {text!r}")
+        raise InputError(f"{key} must be finite, got {text!r}")
     return value
 
 
@@ -414,11 +414,11 @@ def _key_values(body: str, allowed: tuple[str, ...]) -> dict[str, str]:
         key, sep, value = item.partition("=")
         key, value = key.strip(), value.strip()
         if not sep or not key or not value:
-            raise ValueError(f"expected key=value, got {item!r}")
+            raise InputError(f"expected key=value, got {item!r}")
         if key not in allowed:
-            raise ValueError(f"unknown key {key!r} (allowed: {', '.join(allowed)})")
+            raise InputError(f"unknown key {key!r} (allowed: {', '.join(allowed)})")
         if key in values:
-            raise ValueError(f"key {key!r} given twice")
+            raise InputError(f"key {key!r} given twice")
         values[key] = value
     return values
 
@@ -428,7 +428,7 @@ def _parse_uniform(body: str, seed: int, total_updates: int) -> UniformSchedule:
         return UniformSchedule(1, 16, seed, total_updates)
     low, sep, high = body.partition("-")
     if not sep:
-        raise ValueError(f"expected a range low-high such as 1-16, got {body!r}")
+        raise InputError(f"expected a range low-high such as 1-16, got {body!r}")
     return UniformSchedule(_int("low", low.strip()), _int("high", high.strip()), seed, total_updates)
 
 
@@ -458,7 +458,7 @@ def _parse_progressive(body: str, seed: int, total_updates: int) -> ProgressiveS
 
 def _parse_fixed(body: str, seed: int, total_updates: int) -> FixedSchedule:
     if not body:
-        raise ValueError("needs a depth, e.g. fixed:4")
+        raise InputError("needs a depth, e.g. fixed:4")
     return FixedSchedule(_int("depth", body.strip()), seed, total_updates)
 
 
@@ -466,16 +466,16 @@ def _parse_fixed_first(body: str, seed: int, total_updates: int) -> FixedFirstSc
     head, sep, finish_spec = body.partition("finish=")
     head = head.rstrip()  # "k0=4, finish=..." is as valid as "k0=4,finish=..."
     if sep and head and not head.endswith(","):
-        raise ValueError(f"expected key=value, got {body!r}")
+        raise InputError(f"expected key=value, got {body!r}")
     values = _key_values(head.rstrip(","), ("k0", "switch"))
     finish_spec = finish_spec.strip() if sep else "uniform:1-16"
     kind = finish_spec.partition(":")[0].strip()
     if kind not in ("uniform", "pln"):
-        raise ValueError(f"finish must be a uniform or pln spec (and the last key), got {finish_spec!r}")
+        raise InputError(f"finish must be a uniform or pln spec (and the last key), got {finish_spec!r}")
     try:
         finish = PARSERS[kind](finish_spec.partition(":")[2].strip(), seed, total_updates)
     except ValueError as err:
-        raise ValueError(f"finish {finish_spec!r}: {err}") from None
+        raise InputError(f"finish {finish_spec!r}: {err}") from None
     return FixedFirstSchedule(
         k0=_int("k0", values.get("k0", "4")),
         switch=_float("switch", values.get("switch", "0.8")),

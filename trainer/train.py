@@ -69,7 +69,7 @@ def lr_at(step: int, optim: OptimConfig, total_updates: int) -> float:
     Where warmup and decay overlap the smaller factor wins; steps past the end keep
     the final LR."""
     if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
+        raise InputError(f"step must be >= 0, got {step}")
     factor = 1.0
     if optim.warmup:
         factor = min(factor, (step + 1) / optim.warmup)
