@@ -221,9 +221,10 @@ def eval_checkpoint(
 ) -> None:
     """Mean token NLL of CHECKPOINT (a checkpoint or snapshot) at each serving depth on its
     evaluation set; for the bioS task also the recalled bits per person."""
-    from trainer.evaluate import evaluate_checkpoint, format_table, parse_depths
+    from common.depths import parse_serving_depths
+    from trainer.evaluate import evaluate_checkpoint, format_table
 
-    depths = parse_depths(serving)
+    depths = parse_serving_depths(serving)
     ds = evaluate_checkpoint(checkpoint, depths, device=device, batch_size=batch_size, progress=not no_progress)
     click.echo(
         f"{checkpoint}: step {ds.attrs['step']}, {ds.attrs['uniform_updates']} uniform updates, "
@@ -326,15 +327,15 @@ def diagnose(
     Benefit(s) = NLL after the first depth's update - NLL after the last depth's update,
     at each serving depth s: positive favours the deeper update. See docs/diagnostic.md.
     """
-    from diag.run import DiagnoseConfig, parse_update_depths
+    from common.depths import parse_serving_depths, parse_update_depths
+    from diag.run import DiagnoseConfig
     from diag.run import diagnose as run_diagnose
-    from trainer.evaluate import parse_depths
 
     config = DiagnoseConfig(
         snapshots=snapshots,
         out=out,
         update_depths=parse_update_depths(update_depths),
-        serving_depths=parse_depths(serving),
+        serving_depths=parse_serving_depths(serving),
         batches=batches,
         isolate=isolate,
         rms_match=rms_match,

@@ -42,26 +42,6 @@ PER_UNIT = ("nll", "benefit", "benefit_all", "update_rms", "rms_scale", "update_
 """Variables with a value per (snapshot, batch) unit; nll_before is per snapshot."""
 
 
-def parse_update_depths(text: str, option: str = "--update-depths") -> tuple[int, ...]:
-    """'4,16' or a mix with ranges such as '4,1-2' -> depths in the order written
-    (the order matters: the first is the reference)."""
-    depths: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        low, dash, high = part.partition("-")
-        try:
-            if dash:
-                first, last = int(low), int(high)
-                if first > last:
-                    raise ValueError
-                depths.extend(range(first, last + 1))
-            else:
-                depths.append(int(part))
-        except ValueError:
-            raise InputError(f"{option} {text!r}: expected depths like '4,16' or '1-16'") from None
-    return tuple(depths)
-
-
 @dataclass(frozen=True)
 class DiagnoseConfig:
     snapshots: tuple[str, ...]
