@@ -24,10 +24,10 @@ import numpy as np
 import scipy.stats
 import xarray as xr
 
+from common.choices import INTERVAL_METHOD_CHOICES
 from common.errors import InputError
 
 Method = Literal["t", "bca"]
-METHODS = ("t", "bca")
 
 # scipy >= 1.15 names the generator `rng`; older releases only accept `random_state`.
 _BOOTSTRAP_RNG_KEYWORD = "rng" if "rng" in inspect.signature(scipy.stats.bootstrap).parameters else "random_state"
@@ -94,8 +94,10 @@ class IntervalOptions:
     def __post_init__(self) -> None:
         if not 0 < self.level < 1:
             raise InputError(f"confidence level must be in (0, 1), got {self.level}")
-        if self.method not in METHODS:
-            raise InputError(f"interval method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.method not in INTERVAL_METHOD_CHOICES:
+            raise InputError(
+                f"interval method must be one of {', '.join(INTERVAL_METHOD_CHOICES)}, got {self.method!r}"
+            )
         if self.n_resamples < 1:
             raise InputError(f"n_resamples must be positive, got {self.n_resamples}")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from common.choices import EVAL_SET_CHOICES, ISOLATE_CHOICES, RMS_MATCH_CHOICES
+from common.choices import DEVICE_CHOICES, EVAL_SET_CHOICES, INTERVAL_METHOD_CHOICES, ISOLATE_CHOICES, RMS_MATCH_CHOICES
 from common.errors import InputError
 
 
@@ -206,7 +206,7 @@ def train_run(
     default=None,
     help="Also write the table as an xarray Dataset (HDF5 via h5netcdf).",
 )
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True)
 @click.option(
     "--batch-size",
     type=click.IntRange(min=1),
@@ -283,7 +283,7 @@ def eval_checkpoint(
     help="Scale the updates to a common RMS (reference: the first depth's).",
 )
 @click.option("--lr", type=float, default=None, help="Learning rate of the step [default: the snapshot's next LR].")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True)
 @click.option(
     "--eval-batch-size",
     type=click.IntRange(min=1),
@@ -360,7 +360,7 @@ def _interval_options(function):
     )(function)
     function = click.option(
         "--method",
-        type=click.Choice(["t", "bca"]),
+        type=click.Choice(INTERVAL_METHOD_CHOICES),
         default="t",
         show_default=True,
         help="Student-t interval, or BCa bootstrap as a check.",

@@ -28,7 +28,7 @@ import torch
 import xarray as xr
 
 from analysis.store import atomic_output, write_dataset
-from common.choices import EVAL_SET_CHOICES
+from common.choices import DEVICE_CHOICES, EVAL_SET_CHOICES
 from common.errors import InputError
 from common.progress import progress_bar
 from diag.engine import DiagnosticOptions, UpdateDiagnostic
@@ -82,8 +82,8 @@ class DiagnoseConfig:
             raise InputError("no snapshot files given")
         if self.batches is not None and self.batches < 1:
             raise InputError(f"--batches must be >= 1, got {self.batches}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise InputError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.device not in DEVICE_CHOICES:
+            raise InputError(f"device must be one of {DEVICE_CHOICES}, got {self.device!r}")
         if self.eval_set not in EVAL_SET_CHOICES:
             raise InputError(f"eval set must be one of {EVAL_SET_CHOICES}, got {self.eval_set!r}")
         if self.resume and self.force:
