@@ -30,6 +30,7 @@ from analysis.stats import (
     plural,
 )
 from analysis.store import atomic_output
+from common.benefit import benefit_description
 from common.errors import InputError
 
 STYLE = "whitegrid"
@@ -225,9 +226,7 @@ def figure4(ds: xr.Dataset, *, options: IntervalOptions = IntervalOptions()) -> 
     plot_depth_averaged_benefit(averaged, noise=noise, phase=phase, ax=right)
     if "compared_depth" in by_depth.attrs:
         reference, compared = by_depth.attrs["reference_depth"], by_depth.attrs["compared_depth"]
-        fig.suptitle(
-            f"Benefit of the K={compared} update over the K={reference} update (positive favours K={compared})"
-        )
+        fig.suptitle(f"benefit = {benefit_description(reference, compared)}", fontsize="medium")
     return fig
 
 

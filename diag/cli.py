@@ -367,7 +367,7 @@ def diagnose(
 
     \b
     Benefit(s) = NLL after the first depth's update - NLL after the last depth's update,
-    at each serving depth s: positive favours the deeper update. See docs/diagnostic.md.
+    at each serving depth s: positive favours the last depth's update. See docs/diagnostic.md.
     """
     from common.depths import parse_serving_depths, parse_update_depths
     from diag.run import DiagnoseConfig

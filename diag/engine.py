@@ -31,6 +31,7 @@ import torch.nn.functional as F
 import xarray as xr
 from torch import Tensor
 
+from common.benefit import benefit_description
 from common.choices import ISOLATE_CHOICES, PRECISION_CHOICES, RMS_MATCH_CHOICES
 from common.errors import InputError
 from diag.optim_step import OptimizerStep, optimizer_step
@@ -414,10 +415,7 @@ class UpdateDiagnostic:
             coords={"update_depth": list(opts.update_depths), "serving_depth": list(opts.serving_depths)},
             attrs=attrs,
         )
-        ds["benefit"].attrs["description"] = (
-            f"nll at update depth {opts.update_depths[0]} minus nll at update "
-            f"depth {opts.update_depths[-1]}; positive favours the latter"
-        )
+        ds["benefit"].attrs["description"] = benefit_description(opts.update_depths[0], opts.update_depths[-1])
         return ds
 
 

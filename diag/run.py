@@ -29,6 +29,7 @@ import torch
 import xarray as xr
 
 from analysis.store import atomic_output, write_dataset
+from common.benefit import benefit_description
 from common.choices import DEVICE_CHOICES, EVAL_SET_CHOICES
 from common.errors import InputError
 from common.progress import progress_bar
@@ -406,11 +407,7 @@ def _assemble(config: DiagnoseConfig, entries: list[_Entry], manifest: dict, par
     if len(set(configs.values())) > 1:
         attrs["snapshot_configs"] = json.dumps({k: json.loads(v) for k, v in configs.items()}, sort_keys=True)
     ds = xr.Dataset(variables, coords=coords, attrs=attrs)
-    ds["benefit"].attrs["description"] = (
-        f"nll after the update at depth {config.update_depths[0]} minus nll "
-        f"after the update at depth {config.update_depths[-1]}; positive "
-        "favours the deeper update"
-    )
+    ds["benefit"].attrs["description"] = benefit_description(config.update_depths[0], config.update_depths[-1])
     return ds
 
 
