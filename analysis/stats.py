@@ -33,19 +33,28 @@ Method = Literal["t", "bca"]
 _BOOTSTRAP_RNG_KEYWORD = "rng" if "rng" in inspect.signature(scipy.stats.bootstrap).parameters else "random_state"
 
 
+def _finite_or_no_interval(
+    values: np.ndarray, fewest: int
+) -> tuple[np.ndarray, tuple[float, float, float, int] | None]:
+    """The finite `values` (float64), and with fewer than `fewest` of them the (mean, NaN, NaN, n)
+    an interval function returns instead of an interval (mean NaN when none is finite)."""
+    values = np.asarray(values, dtype=np.float64)
+    values = values[np.isfinite(values)]
+    n = values.size
+    if n >= fewest:
+        return values, None
+    return values, (float(values.mean()) if n else math.nan, math.nan, math.nan, n)
+
+
 def t_interval(values: np.ndarray, level: float = 0.95) -> tuple[float, float, float, int]:
     """(mean, lower, upper, n) of the Student-t interval for the mean of the finite `values`.
 
     With fewer than two finite values the bounds are NaN (no spread to estimate).
     """
-    values = np.asarray(values, dtype=np.float64)
-    values = values[np.isfinite(values)]
-    n = values.size
-    if n == 0:
-        return math.nan, math.nan, math.nan, 0
-    mean = float(values.mean())
-    if n < 2:
-        return mean, math.nan, math.nan, n
+    values, without = _finite_or_no_interval(values, fewest=2)
+    if without is not None:
+        return without
+    n, mean = values.size, float(values.mean())
     half_width = scipy.stats.t.ppf(0.5 + level / 2, df=n - 1) * values.std(ddof=1) / math.sqrt(n)
     return mean, float(mean - half_width), float(mean + half_width), n
 
@@ -58,13 +67,11 @@ def bca_interval(
     Seeded, so the same data give the same interval. Bounds are NaN with fewer than
     three finite values or when all values are equal (the bootstrap distribution is degenerate).
     """
-    values = np.asarray(values, dtype=np.float64)
-    values = values[np.isfinite(values)]
-    n = values.size
-    if n == 0:
-        return math.nan, math.nan, math.nan, 0
-    mean = float(values.mean())
-    if n < 3 or np.all(values == values[0]):
+    values, without = _finite_or_no_interval(values, fewest=3)
+    if without is not None:
+        return without
+    n, mean = values.size, float(values.mean())
+    if np.all(values == values[0]):
         return mean, math.nan, math.nan, n
     result = scipy.stats.bootstrap(
         (values,),
