@@ -27,6 +27,7 @@ from analysis.stats import (
     benefit_by_depth,
     depth_averaged_benefit,
     finishing_phase,
+    method_name,
     plural,
 )
 from analysis.store import atomic_output
@@ -77,7 +78,7 @@ def _interval_note(intervals: xr.Dataset) -> str:
     unit = intervals.attrs.get("unit", "batch")
     n = np.unique(intervals["n"].values)
     count = str(int(n[0])) if n.size == 1 else f"{int(n.min())}-{int(n.max())}"
-    method = "BCa bootstrap" if intervals.attrs.get("method") == "bca" else "Student-t"
+    method = method_name(intervals.attrs.get("method", "t"))
     note = f"mean and {level:.0%} {method} CI over {count} {plural(unit)}"
     if unit == "batch":
         return note + "\n(batch noise of one seed only, not seed-to-seed variation)"

@@ -296,8 +296,14 @@ def plural(unit: str, n: int | None = None) -> str:
     return f"{unit}{'es' if unit == 'batch' else 's'}"
 
 
-def _bounds(lower: float, upper: float) -> str:
-    return f"[{lower:+.4f}, {upper:+.4f}]" if math.isfinite(lower) else "n/a (too few units)"
+def method_name(method: str) -> str:
+    """The interval method as a reader names it: 'Student-t' or 'BCa bootstrap'."""
+    return "BCa bootstrap" if method == "bca" else "Student-t"
+
+
+def format_bounds(lower: float, upper: float, *, missing: str = "n/a (too few units)") -> str:
+    """'[+lower, +upper]' to four places, or `missing` for an interval that could not be formed."""
+    return f"[{lower:+.4f}, {upper:+.4f}]" if math.isfinite(lower) else missing
 
 
 def describe_intervals(rows: list[dict], *, level: float = 0.95, method: Method = "t") -> str:
@@ -305,8 +311,7 @@ def describe_intervals(rows: list[dict], *, level: float = 0.95, method: Method 
     unit = rows[0]["unit"] if rows else "batch"
     counts = sorted({row["n"] for row in rows})
     n = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
-    name = "BCa bootstrap" if method == "bca" else "Student-t"
-    headline = f"headline: {level:.0%} {name} CI {interval_coverage(unit)}, n = {n} {plural(unit)}"
+    headline = f"headline: {level:.0%} {method_name(method)} CI {interval_coverage(unit)}, n = {n} {plural(unit)}"
     if unit == "batch":
         return headline + "; diagnose several seeds for the interval a replication would fall in"
     return (
@@ -330,7 +335,7 @@ def format_summary_table(rows: list[dict], *, level: float = 0.95) -> str:
             str(row["uniform_updates"]),
             str(row["step"]),
             f"{row['mean']:+.4f}",
-            _bounds(row["lower"], row["upper"]),
+            format_bounds(row["lower"], row["upper"]),
             f"{row['n']} {plural(row['unit'], row['n'])}",
             "yes" if row["excludes_zero"] else "no",
         )
@@ -364,7 +369,7 @@ class Interval:
         return bool(self.lower <= 0 <= self.upper)
 
     def describe(self) -> str:
-        return f"{self.mean:+.4f} {_bounds(self.lower, self.upper)} over {self.n} {plural(self.unit, self.n)}"
+        return f"{self.mean:+.4f} {format_bounds(self.lower, self.upper)} over {self.n} {plural(self.unit, self.n)}"
 
 
 def decay_point(uniform_updates, values, *, fraction: float = 0.05) -> int | None:
