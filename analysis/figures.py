@@ -27,9 +27,11 @@ from analysis.stats import (
     benefit_by_depth,
     depth_averaged_benefit,
     finishing_phase,
+    method_name,
     plural,
 )
 from analysis.store import atomic_output
+from common.benefit import benefit_description
 from common.errors import InputError
 
 STYLE = "whitegrid"
@@ -76,7 +78,7 @@ def _interval_note(intervals: xr.Dataset) -> str:
     unit = intervals.attrs.get("unit", "batch")
     n = np.unique(intervals["n"].values)
     count = str(int(n[0])) if n.size == 1 else f"{int(n.min())}-{int(n.max())}"
-    method = "BCa bootstrap" if intervals.attrs.get("method") == "bca" else "Student-t"
+    method = method_name(intervals.attrs.get("method", "t"))
     note = f"mean and {level:.0%} {method} CI over {count} {plural(unit)}"
     if unit == "batch":
         return note + "\n(batch noise of one seed only, not seed-to-seed variation)"
@@ -225,9 +227,7 @@ def figure4(ds: xr.Dataset, *, options: IntervalOptions = IntervalOptions()) -> 
     plot_depth_averaged_benefit(averaged, noise=noise, phase=phase, ax=right)
     if "compared_depth" in by_depth.attrs:
         reference, compared = by_depth.attrs["reference_depth"], by_depth.attrs["compared_depth"]
-        fig.suptitle(
-            f"Benefit of the K={compared} update over the K={reference} update (positive favours K={compared})"
-        )
+        fig.suptitle(f"benefit = {benefit_description(reference, compared)}", fontsize="medium")
     return fig
 
 

@@ -15,7 +15,16 @@ import math
 import os
 from collections.abc import Sequence
 
-from analysis.stats import Interval, IntervalOptions, depth_averaged_benefit, interval_at, interval_coverage, plural
+from analysis.stats import (
+    Interval,
+    IntervalOptions,
+    depth_averaged_benefit,
+    format_bounds,
+    interval_at,
+    interval_coverage,
+    method_name,
+    plural,
+)
 from analysis.store import combine_seeds, open_results
 from common.choices import ISOLATE_CHOICES, RMS_MATCH_CHOICES
 from common.errors import InputError
@@ -106,8 +115,7 @@ def sensitivity_table(
 
 
 def _cell(interval: Interval) -> str:
-    bounds = f"[{interval.lower:+.4f}, {interval.upper:+.4f}]" if math.isfinite(interval.lower) else "n/a"
-    return f"{interval.mean:+.4f} {bounds}"
+    return f"{interval.mean:+.4f} {format_bounds(interval.lower, interval.upper, missing='n/a')}"
 
 
 def format_sensitivity_markdown(table: SensitivityTable) -> str:
@@ -128,8 +136,7 @@ def format_sensitivity_markdown(table: SensitivityTable) -> str:
         cells = (row.isolate, row.rms_match, count, _cell(row.at_switch), _cell(row.after), ratio)
         lines.append("| " + " | ".join(cells) + " |")
     units = {row.at_switch.unit for row in table.rows}
-    method = "BCa bootstrap" if table.method == "bca" else "Student-t"
-    notes = [f"Depth-averaged benefit; {percent} {method} CI {interval_coverage('seed')}."]
+    notes = [f"Depth-averaged benefit; {percent} {method_name(table.method)} CI {interval_coverage('seed')}."]
     if "batch" in units:
         notes.append(f"Rows with n in batches come from one seed: their CI is {interval_coverage('batch')}.")
     if table.missing:

@@ -24,13 +24,26 @@ import numpy as np
 import scipy.stats
 import xarray as xr
 
+from common.choices import INTERVAL_METHOD_CHOICES
 from common.errors import InputError
 
 Method = Literal["t", "bca"]
-METHODS = ("t", "bca")
 
 # scipy >= 1.15 names the generator `rng`; older releases only accept `random_state`.
 _BOOTSTRAP_RNG_KEYWORD = "rng" if "rng" in inspect.signature(scipy.stats.bootstrap).parameters else "random_state"
+
+
+def _finite_or_no_interval(
+    values: np.ndarray, fewest: int
+) -> tuple[np.ndarray, tuple[float, float, float, int] | None]:
+    """The finite `values` (float64), and with fewer than `fewest` of them the (mean, NaN, NaN, n)
+    an interval function returns instead of an interval (mean NaN when none is finite)."""
+    values = np.asarray(values, dtype=np.float64)
+    values = values[np.isfinite(values)]
+    n = values.size
+    if n >= fewest:
+        return values, None
+    return values, (float(values.mean()) if n else math.nan, math.nan, math.nan, n)
 
 
 def t_interval(values: np.ndarray, level: float = 0.95) -> tuple[float, float, float, int]:
@@ -38,14 +51,10 @@ def t_interval(values: np.ndarray, level: float = 0.95) -> tuple[float, float, f
 
     With fewer than two finite values the bounds are NaN (no spread to estimate).
     """
-    values = np.asarray(values, dtype=np.float64)
-    values = values[np.isfinite(values)]
-    n = values.size
-    if n == 0:
-        return math.nan, math.nan, math.nan, 0
-    mean = float(values.mean())
-    if n < 2:
-        return mean, math.nan, math.nan, n
+    values, without = _finite_or_no_interval(values, fewest=2)
+    if without is not None:
+        return without
+    n, mean = values.size, float(values.mean())
     half_width = scipy.stats.t.ppf(0.5 + level / 2, df=n - 1) * values.std(ddof=1) / math.sqrt(n)
     return mean, float(mean - half_width), float(mean + half_width), n
 
@@ -58,13 +67,11 @@ def bca_interval(
     Seeded, so the same data give the same interval. Bounds are NaN with fewer than
     three finite values or when all values are equal (the bootstrap distribution is degenerate).
     """
-    values = np.asarray(values, dtype=np.float64)
-    values = values[np.isfinite(values)]
-    n = values.size
-    if n == 0:
-        return math.nan, math.nan, math.nan, 0
-    mean = float(values.mean())
-    if n < 3 or np.all(values == values[0]):
+    values, without = _finite_or_no_interval(values, fewest=3)
+    if without is not None:
+        return without
+    n, mean = values.size, float(values.mean())
+    if np.all(values == values[0]):
         return mean, math.nan, math.nan, n
     result = scipy.stats.bootstrap(
         (values,),
@@ -94,8 +101,10 @@ class IntervalOptions:
     def __post_init__(self) -> None:
         if not 0 < self.level < 1:
             raise InputError(f"confidence level must be in (0, 1), got {self.level}")
-        if self.method not in METHODS:
-            raise InputError(f"interval method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.method not in INTERVAL_METHOD_CHOICES:
+            raise InputError(
+                f"interval method must be one of {', '.join(INTERVAL_METHOD_CHOICES)}, got {self.method!r}"
+            )
         if self.n_resamples < 1:
             raise InputError(f"n_resamples must be positive, got {self.n_resamples}")
 
@@ -287,8 +296,14 @@ def plural(unit: str, n: int | None = None) -> str:
     return f"{unit}{'es' if unit == 'batch' else 's'}"
 
 
-def _bounds(lower: float, upper: float) -> str:
-    return f"[{lower:+.4f}, {upper:+.4f}]" if math.isfinite(lower) else "n/a (too few units)"
+def method_name(method: str) -> str:
+    """The interval method as a reader names it: 'Student-t' or 'BCa bootstrap'."""
+    return "BCa bootstrap" if method == "bca" else "Student-t"
+
+
+def format_bounds(lower: float, upper: float, *, missing: str = "n/a (too few units)") -> str:
+    """'[+lower, +upper]' to four places, or `missing` for an interval that could not be formed."""
+    return f"[{lower:+.4f}, {upper:+.4f}]" if math.isfinite(lower) else missing
 
 
 def describe_intervals(rows: list[dict], *, level: float = 0.95, method: Method = "t") -> str:
@@ -296,8 +311,7 @@ def describe_intervals(rows: list[dict], *, level: float = 0.95, method: Method 
     unit = rows[0]["unit"] if rows else "batch"
     counts = sorted({row["n"] for row in rows})
     n = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
-    name = "BCa bootstrap" if method == "bca" else "Student-t"
-    headline = f"headline: {level:.0%} {name} CI {interval_coverage(unit)}, n = {n} {plural(unit)}"
+    headline = f"headline: {level:.0%} {method_name(method)} CI {interval_coverage(unit)}, n = {n} {plural(unit)}"
     if unit == "batch":
         return headline + "; diagnose several seeds for the interval a replication would fall in"
     return (
@@ -321,7 +335,7 @@ def format_summary_table(rows: list[dict], *, level: float = 0.95) -> str:
             str(row["uniform_updates"]),
             str(row["step"]),
             f"{row['mean']:+.4f}",
-            _bounds(row["lower"], row["upper"]),
+            format_bounds(row["lower"], row["upper"]),
             f"{row['n']} {plural(row['unit'], row['n'])}",
             "yes" if row["excludes_zero"] else "no",
         )
@@ -355,7 +369,7 @@ class Interval:
         return bool(self.lower <= 0 <= self.upper)
 
     def describe(self) -> str:
-        return f"{self.mean:+.4f} {_bounds(self.lower, self.upper)} over {self.n} {plural(self.unit, self.n)}"
+        return f"{self.mean:+.4f} {format_bounds(self.lower, self.upper)} over {self.n} {plural(self.unit, self.n)}"
 
 
 def decay_point(uniform_updates, values, *, fraction: float = 0.05) -> int | None:

@@ -9,3 +9,7 @@ PRECISION_CHOICES = ("fp32", "bf16")
 """Training precision: fp32, or bf16 autocast."""
 EVAL_SET_CHOICES = ("auto", "snapshot", "attributes")
 """The evaluation set `depthdiag diagnose` scores (see diag/run.py)."""
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+"""Where a command runs: 'auto' (cuda when available, else cpu), 'cpu' or 'cuda'."""
+INTERVAL_METHOD_CHOICES = ("t", "bca")
+"""How a confidence interval is formed: Student-t, or a BCa bootstrap as a check."""

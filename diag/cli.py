@@ -14,11 +14,16 @@ import math
 import sys
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from common.choices import EVAL_SET_CHOICES, ISOLATE_CHOICES, RMS_MATCH_CHOICES
+from common.choices import DEVICE_CHOICES, EVAL_SET_CHOICES, INTERVAL_METHOD_CHOICES, ISOLATE_CHOICES, RMS_MATCH_CHOICES
+from common.depths import MAX_SERVING_DEPTH
 from common.errors import InputError
+
+if TYPE_CHECKING:
+    from analysis.stats import IntervalOptions
 
 
 def reports_input_errors(command):
@@ -50,6 +55,65 @@ def main(debug: bool) -> None:
       depthdiag summarize results/tiny.h5
       depthdiag plot results/tiny.h5 --figure 4 --out figures/figure4.png
     """
+
+
+# --- options several commands share --------------------------------------------------------
+
+
+def stacked(*options):
+    """One decorator that applies `options` as if they were written in this order above a command."""
+
+    def apply(function):
+        for option in reversed(options):
+            function = option(function)
+        return function
+
+    return apply
+
+
+serving_option = click.option(
+    "--serving",
+    default="1-16",
+    show_default=True,
+    help=f"Serving depths: a range (1-{MAX_SERVING_DEPTH}), a list (1,2,4,8) or both (1-4,8,16).",
+)
+device_option = click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True)
+no_progress_option = click.option("--no-progress", is_flag=True, help="No progress bar.")
+
+
+def eval_batch_size_option(name: str):
+    """The evaluation minibatch size, under the option name the command uses."""
+    return click.option(
+        name, type=click.IntRange(min=1), default=32, show_default=True, help="Evaluation sequences per forward pass."
+    )
+
+
+_interval_option_declarations = stacked(
+    click.option("--level", type=float, default=0.95, show_default=True, help="Confidence level."),
+    click.option(
+        "--method",
+        type=click.Choice(INTERVAL_METHOD_CHOICES),
+        default="t",
+        show_default=True,
+        help="Student-t interval, or BCa bootstrap as a check.",
+    ),
+    click.option(
+        "--resamples", "n_resamples", type=int, default=9999, show_default=True, help="Bootstrap resamples (bca)."
+    ),
+)
+
+
+def interval_options(command):
+    """--level, --method and --resamples, handed to `command` as one `options`
+    (analysis.stats.IntervalOptions). Goes below `reports_input_errors`, which reports a bad level."""
+
+    @functools.wraps(command)
+    def with_options(*args, level: float, method: str, n_resamples: int, **kwargs):
+        from analysis.stats import IntervalOptions
+
+        return command(*args, options=IntervalOptions(level=level, method=method, n_resamples=n_resamples), **kwargs)
+
+    return _interval_option_declarations(with_options)
 
 
 # --- flops ----------------------------------------------------------------------------------
@@ -163,7 +227,7 @@ def flops(
     default=None,
     help="Continue RUN_DIR from its newest checkpoint; the config must equal the stored one.",
 )
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@no_progress_option
 @reports_input_errors
 def train_run(
     config_path: str, out: str | None, overrides: tuple[str, ...], resume_dir: str | None, no_progress: bool
@@ -194,36 +258,26 @@ def train_run(
 
 @main.command("eval")
 @click.argument("checkpoint", type=click.Path(dir_okay=False, path_type=Path))
-@click.option(
-    "--serving",
-    default="1-16",
-    show_default=True,
-    help="Serving depths: a range (1-64), a list (1,2,4,8) or both (1-4,8,16).",
-)
+@serving_option
 @click.option(
     "--out",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
     help="Also write the table as an xarray Dataset (HDF5 via h5netcdf).",
 )
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option(
-    "--batch-size",
-    type=click.IntRange(min=1),
-    default=32,
-    show_default=True,
-    help="Evaluation sequences per forward pass.",
-)
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@device_option
+@eval_batch_size_option("--batch-size")
+@no_progress_option
 @reports_input_errors
 def eval_checkpoint(
     checkpoint: Path, serving: str, out: Path | None, device: str, batch_size: int, no_progress: bool
 ) -> None:
     """Mean token NLL of CHECKPOINT (a checkpoint or snapshot) at each serving depth on its
     evaluation set; for the bioS task also the recalled bits per person."""
-    from trainer.evaluate import evaluate_checkpoint, format_table, parse_depths
+    from common.depths import parse_serving_depths
+    from trainer.evaluate import evaluate_checkpoint, format_table
 
-    depths = parse_depths(serving)
+    depths = parse_serving_depths(serving)
     ds = evaluate_checkpoint(checkpoint, depths, device=device, batch_size=batch_size, progress=not no_progress)
     click.echo(
         f"{checkpoint}: step {ds.attrs['step']}, {ds.attrs['uniform_updates']} uniform updates, "
@@ -253,14 +307,9 @@ def eval_checkpoint(
     "--update-depths",
     default="4,16",
     show_default=True,
-    help="Depths of the compared updates, comma-separated; the first is the reference.",
+    help="Depths of the compared updates in the --serving grammar, no depth twice; the first is the reference.",
 )
-@click.option(
-    "--serving",
-    default="1-16",
-    show_default=True,
-    help="Serving depths: a range (1-64), a list (1,2,4,8) or both (1-4,8,16).",
-)
+@serving_option
 @click.option(
     "--batches",
     type=click.IntRange(min=1),
@@ -282,14 +331,8 @@ def eval_checkpoint(
     help="Scale the updates to a common RMS (reference: the first depth's).",
 )
 @click.option("--lr", type=float, default=None, help="Learning rate of the step [default: the snapshot's next LR].")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option(
-    "--eval-batch-size",
-    type=click.IntRange(min=1),
-    default=32,
-    show_default=True,
-    help="Evaluation sequences per forward pass.",
-)
+@device_option
+@eval_batch_size_option("--eval-batch-size")
 @click.option(
     "--eval-set",
     type=click.Choice(EVAL_SET_CHOICES),
@@ -301,7 +344,7 @@ def eval_checkpoint(
 )
 @click.option("--resume", is_flag=True, help="Continue an interrupted run with the same settings.")
 @click.option("--force", is_flag=True, help="Discard an unfinished run or an existing OUT and start over.")
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@no_progress_option
 @reports_input_errors
 def diagnose(
     snapshots: tuple[str, ...],
@@ -324,17 +367,17 @@ def diagnose(
 
     \b
     Benefit(s) = NLL after the first depth's update - NLL after the last depth's update,
-    at each serving depth s: positive favours the deeper update. See docs/diagnostic.md.
+    at each serving depth s: positive favours the last depth's update. See docs/diagnostic.md.
     """
-    from diag.run import DiagnoseConfig, parse_update_depths
+    from common.depths import parse_serving_depths, parse_update_depths
+    from diag.run import DiagnoseConfig
     from diag.run import diagnose as run_diagnose
-    from trainer.evaluate import parse_depths
 
     config = DiagnoseConfig(
         snapshots=snapshots,
         out=out,
         update_depths=parse_update_depths(update_depths),
-        serving_depths=parse_depths(serving),
+        serving_depths=parse_serving_depths(serving),
         batches=batches,
         isolate=isolate,
         rms_match=rms_match,
@@ -350,21 +393,6 @@ def diagnose(
 
 
 # --- summarize / plot -----------------------------------------------------------------------
-
-
-def _interval_options(function):
-    """The options shared by `summarize` and `plot` that choose how intervals are computed."""
-    function = click.option(
-        "--resamples", "n_resamples", type=int, default=9999, show_default=True, help="Bootstrap resamples (bca)."
-    )(function)
-    function = click.option(
-        "--method",
-        type=click.Choice(["t", "bca"]),
-        default="t",
-        show_default=True,
-        help="Student-t interval, or BCa bootstrap as a check.",
-    )(function)
-    return click.option("--level", type=float, default=0.95, show_default=True, help="Confidence level.")(function)
 
 
 def _json_ready(value):
@@ -390,9 +418,9 @@ def _warn_on_mixed_learning_rates(ds, results: tuple[Path, ...]) -> str | None:
 @main.command()
 @click.argument("results", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (NaN as null).")
-@_interval_options
 @reports_input_errors
-def summarize(results: tuple[Path, ...], as_json: bool, level: float, method: str, n_resamples: int) -> None:
+@interval_options
+def summarize(results: tuple[Path, ...], as_json: bool, options: IntervalOptions) -> None:
     """Per snapshot: depth-averaged benefit with its confidence intervals, and how long
     the finishing phase needs to be.
 
@@ -401,7 +429,6 @@ def summarize(results: tuple[Path, ...], as_json: bool, level: float, method: st
     batches is shown as batch noise only. One file gives the batch interval alone.
     """
     from analysis.stats import (
-        IntervalOptions,
         describe_intervals,
         finishing_phase,
         format_finishing_phase,
@@ -411,7 +438,6 @@ def summarize(results: tuple[Path, ...], as_json: bool, level: float, method: st
     )
     from analysis.store import open_results
 
-    options = IntervalOptions(level=level, method=method, n_resamples=n_resamples)
     ds = open_results(results)
     warning = _warn_on_mixed_learning_rates(ds, results)
     rows = summary_table(ds, options=options)
@@ -434,10 +460,10 @@ def summarize(results: tuple[Path, ...], as_json: bool, level: float, method: st
         }
         click.echo(json.dumps(_json_ready(document), indent=2))
         return
-    click.echo(describe_intervals(rows, level=level, method=method))
-    click.echo(format_summary_table(rows, level=level))
+    click.echo(describe_intervals(rows, level=options.level, method=options.method))
+    click.echo(format_summary_table(rows, level=options.level))
     if phase is not None:
-        click.echo(format_finishing_phase(phase, level=level))
+        click.echo(format_finishing_phase(phase, level=options.level))
     else:
         click.echo("finishing phase: n/a (no snapshot at the switch, 0 uniform updates)")
 
@@ -458,16 +484,14 @@ def summarize(results: tuple[Path, ...], as_json: bool, level: float, method: st
     required=True,
     help="Image to write (e.g. figures/figure4.png); a PDF is written beside it.",
 )
-@_interval_options
 @reports_input_errors
-def plot(results: tuple[Path, ...], figure_number: str, out: Path, level: float, method: str, n_resamples: int) -> None:
+@interval_options
+def plot(results: tuple[Path, ...], figure_number: str, out: Path, options: IntervalOptions) -> None:
     """Draw a figure from RESULTS files (several files are several seeds: the error bars and
     bands are then intervals over seeds; with one file they cover batch noise only)."""
     from analysis.figures import figure4, save_figure
-    from analysis.stats import IntervalOptions
     from analysis.store import open_results
 
-    options = IntervalOptions(level=level, method=method, n_resamples=n_resamples)
     ds = open_results(results)
     _warn_on_mixed_learning_rates(ds, results)
     with warnings.catch_warnings(record=True) as caught:
@@ -490,11 +514,9 @@ def plot(results: tuple[Path, ...], figure_number: str, out: Path, level: float,
     help="Compare the switch with the snapshot after this many uniform updates.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON (NaN as null).")
-@_interval_options
 @reports_input_errors
-def sensitivity(
-    results: tuple[Path, ...], after_updates: int, as_json: bool, level: float, method: str, n_resamples: int
-) -> None:
+@interval_options
+def sensitivity(results: tuple[Path, ...], after_updates: int, as_json: bool, options: IntervalOptions) -> None:
     """Depth-averaged benefit at the switch and after --after uniform updates, for every
     (isolate, rms_match) combination among RESULTS, as a Markdown table.
 
@@ -502,9 +524,7 @@ def sensitivity(
     attributes and each group is combined along seeds (its files must differ in the seed only).
     """
     from analysis.sensitivity import format_sensitivity_markdown, sensitivity_table
-    from analysis.stats import IntervalOptions
 
-    options = IntervalOptions(level=level, method=method, n_resamples=n_resamples)
     table = sensitivity_table(results, after_updates=after_updates, options=options)
     if as_json:
         click.echo(json.dumps(_json_ready(table.to_dict()), indent=2))

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 import xarray as xr
 from torch import Tensor
 
+from common.benefit import benefit_description
 from common.choices import ISOLATE_CHOICES, PRECISION_CHOICES, RMS_MATCH_CHOICES
 from common.errors import InputError
 from diag.optim_step import OptimizerStep, optimizer_step
@@ -158,8 +159,9 @@ def match_rms(updates: Sequence[Sequence[Tensor]], mode: str) -> tuple[list[list
     return [[t * s for t in u] for u, s in zip(updates, scales)], scales
 
 
-def clip_gradients(grads: list[Tensor], max_norm: float | None) -> list[Tensor]:
-    """Scale as `torch.nn.utils.clip_grad_norm_(params, max_norm)` would (out of place)."""
+def clipped_gradients(grads: list[Tensor], max_norm: float | None) -> list[Tensor]:
+    """`grads` scaled as `torch.nn.utils.clip_grad_norm_(params, max_norm)` would scale them, as
+    new tensors (the given ones are left alone); `grads` itself when max_norm is None or 0."""
     if not max_norm or not grads:
         return grads
     # The norm clip_grad_norm_ computes, spelled out: torch.nn.utils.get_total_norm needs torch >= 2.6.
@@ -301,7 +303,7 @@ class UpdateDiagnostic:
         trainable = [name for name in leaves if self.requires_grad[name]]
         grads = torch.autograd.grad(loss, [leaves[n] for n in trainable], allow_unused=True)
         grads = [torch.zeros_like(leaves[n]) if g is None else g for n, g in zip(trainable, grads)]
-        by_name = dict(zip(trainable, clip_gradients(grads, self.options.grad_clip)))
+        by_name = dict(zip(trainable, clipped_gradients(grads, self.options.grad_clip)))
         flat = [by_name[n].float() if n in by_name else torch.zeros_like(self.theta[n]) for n in self.stepped]
         return float(loss.detach()), flat
 
@@ -413,10 +415,7 @@ class UpdateDiagnostic:
             coords={"update_depth": list(opts.update_depths), "serving_depth": list(opts.serving_depths)},
             attrs=attrs,
         )
-        ds["benefit"].attrs["description"] = (
-            f"nll at update depth {opts.update_depths[0]} minus nll at update "
-            f"depth {opts.update_depths[-1]}; positive favours the latter"
-        )
+        ds["benefit"].attrs["description"] = benefit_description(opts.update_depths[0], opts.update_depths[-1])
         return ds
 
 

@@ -19,7 +19,8 @@ import datetime
 import json
 import shutil
 import subprocess
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 
@@ -28,7 +29,8 @@ import torch
 import xarray as xr
 
 from analysis.store import atomic_output, write_dataset
-from common.choices import EVAL_SET_CHOICES
+from common.benefit import benefit_description
+from common.choices import DEVICE_CHOICES, EVAL_SET_CHOICES
 from common.errors import InputError
 from common.progress import progress_bar
 from diag.engine import DiagnosticOptions, UpdateDiagnostic
@@ -40,26 +42,6 @@ MANIFEST = "manifest.json"
 
 PER_UNIT = ("nll", "benefit", "benefit_all", "update_rms", "rms_scale", "update_cosine", "train_loss")
 """Variables with a value per (snapshot, batch) unit; nll_before is per snapshot."""
-
-
-def parse_update_depths(text: str, option: str = "--update-depths") -> tuple[int, ...]:
-    """'4,16' or a mix with ranges such as '4,1-2' -> depths in the order written
-    (the order matters: the first is the reference)."""
-    depths: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        low, dash, high = part.partition("-")
-        try:
-            if dash:
-                first, last = int(low), int(high)
-                if first > last:
-                    raise ValueError
-                depths.extend(range(first, last + 1))
-            else:
-                depths.append(int(part))
-        except ValueError:
-            raise InputError(f"{option} {text!r}: expected depths like '4,16' or '1-16'") from None
-    return tuple(depths)
 
 
 @dataclass(frozen=True)
@@ -95,6 +77,9 @@ class DiagnoseConfig:
     """Discard an unfinished run's parts and an existing OUT and start over."""
     progress: bool = True
     """Show a progress bar over units (on a terminal)."""
+    diagnostic: DiagnosticOptions = field(init=False, repr=False, compare=False)
+    """The engine's options built from the fields above (fp32, no clipping: each snapshot's
+    training settings are added by `_snapshot_options`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "snapshots", tuple(str(p) for p in self.snapshots))
@@ -102,26 +87,33 @@ class DiagnoseConfig:
             raise InputError("no snapshot files given")
         if self.batches is not None and self.batches < 1:
             raise InputError(f"--batches must be >= 1, got {self.batches}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise InputError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.device not in DEVICE_CHOICES:
+            raise InputError(f"device must be one of {DEVICE_CHOICES}, got {self.device!r}")
         if self.eval_set not in EVAL_SET_CHOICES:
             raise InputError(f"eval set must be one of {EVAL_SET_CHOICES}, got {self.eval_set!r}")
         if self.resume and self.force:
             raise InputError("--resume and --force contradict each other: pick one")
-        # Validates depths, isolate, rms_match, lr and eval_batch_size with the engine's own rules.
-        self.options(grad_clip=None, precision="fp32")
-
-    def options(self, grad_clip: float | None, precision: str) -> DiagnosticOptions:
-        return DiagnosticOptions(
+        # Built (and so validated, with the engine's own rules) once; each snapshot adds its
+        # training settings with `_snapshot_options`.
+        options = DiagnosticOptions(
             update_depths=self.update_depths,
             serving_depths=self.serving_depths,
             isolate=self.isolate,
             rms_match=self.rms_match,
             lr=self.lr,
-            grad_clip=grad_clip,
-            precision=precision,
             eval_batch_size=self.eval_batch_size,
         )
+        object.__setattr__(self, "diagnostic", options)
+
+
+def _snapshot_options(config: DiagnoseConfig, snap: Snapshot) -> DiagnosticOptions:
+    """The run's diagnostic options with the snapshot's own training settings: its gradient
+    clipping (0 means none) and precision. The learning rate is the run's: the --lr override,
+    or None, with which the engine steps at each param group's LR as the snapshot's optimizer
+    holds it (the `lr` coordinate records that LR per snapshot)."""
+    return replace(
+        config.diagnostic, grad_clip=snap.config.optim.grad_clip or None, precision=snap.config.train.precision
+    )
 
 
 @dataclass(frozen=True)
@@ -279,13 +271,17 @@ def _load_again(entry: _Entry) -> Snapshot:
     return snap
 
 
-def _batches(entry: _Entry, snap: Snapshot):
-    """The entry's batches [B, T+1], in order."""
+def _batches(snap: Snapshot, indices: list[int]) -> Iterator[tuple[int, torch.Tensor]]:
+    """(i, batch i [B, T+1]) for each of `indices`: carried by the snapshot, or for a
+    checkpoint the batches the run itself would have drawn next."""
     if snap.batches is not None:
-        return lambda i: snap.batches[i]
+        for i in indices:
+            yield i, snap.batches[i]
+        return
     cfg = snap.config
     source = build_source(cfg.data)
-    return lambda i: source.batch(cfg.train.seed, snap.step + i, cfg.train.batch_size, cfg.train.seq_len)
+    for i in indices:
+        yield i, source.batch(cfg.train.seed, snap.step + i, cfg.train.batch_size, cfg.train.seq_len)
 
 
 def _run_units(config: DiagnoseConfig, entries: list[_Entry], parts: Path, device: torch.device) -> None:
@@ -299,18 +295,15 @@ def _run_units(config: DiagnoseConfig, entries: list[_Entry], parts: Path, devic
             snap = _load_again(entry)
             model = snap.model(device)
             optimizer = snap.optimizer(model)
-            options = config.options(
-                grad_clip=snap.config.optim.grad_clip or None, precision=snap.config.train.precision
-            )
+            options = _snapshot_options(config, snap)
             eval_tokens, eval_mask = _evaluation_set(config, snap)
             diagnostic = UpdateDiagnostic(model, optimizer, eval_tokens, options, eval_mask=eval_mask)
             warning = _bias_correction_warning(entry, optimizer)
             if warning:
                 bar.write(warning)
-            batch_at = _batches(entry, snap)
-            for i in todo[entry.name]:
+            for i, batch in _batches(snap, todo[entry.name]):
                 bar.set_postfix_str(f"{entry.name} batch {i}")
-                unit = diagnostic.compare(batch_at(i))
+                unit = diagnostic.compare(batch)
                 write_dataset(unit.expand_dims(snapshot=[entry.name], batch=[i]), _part_path(parts, entry, i))
                 bar.update(1)
             del diagnostic, optimizer, model, snap
@@ -414,11 +407,7 @@ def _assemble(config: DiagnoseConfig, entries: list[_Entry], manifest: dict, par
     if len(set(configs.values())) > 1:
         attrs["snapshot_configs"] = json.dumps({k: json.loads(v) for k, v in configs.items()}, sort_keys=True)
     ds = xr.Dataset(variables, coords=coords, attrs=attrs)
-    ds["benefit"].attrs["description"] = (
-        f"nll after the update at depth {config.update_depths[0]} minus nll "
-        f"after the update at depth {config.update_depths[-1]}; positive "
-        "favours the deeper update"
-    )
+    ds["benefit"].attrs["description"] = benefit_description(config.update_depths[0], config.update_depths[-1])
     return ds
 
 

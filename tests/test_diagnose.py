@@ -17,9 +17,10 @@ from click.testing import CliRunner
 
 import diag
 from analysis.store import open_results
+from common.depths import parse_update_depths
 from common.errors import InputError
 from diag.cli import main
-from diag.run import DiagnoseConfig, diagnose, parse_update_depths
+from diag.run import DiagnoseConfig, diagnose
 from trainer.checkpoint import build_optimizer, load_snapshot, save_checkpoint, save_snapshot
 from trainer.config import DataConfig, OptimConfig, RunConfig, TrainConfig
 from trainer.data import build_source

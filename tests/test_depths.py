@@ -1,0 +1,36 @@
+"""The one depth-list grammar (common/depths.py) in both its readings."""
+
+import pytest
+
+from common.depths import MAX_SERVING_DEPTH, parse_serving_depths, parse_update_depths
+from common.errors import InputError
+
+
+def test_serving_depths_are_sorted_and_distinct():
+    assert parse_serving_depths("1-16") == tuple(range(1, 17))
+    assert parse_serving_depths("8,1,2,4") == (1, 2, 4, 8)
+    assert parse_serving_depths("1-4, 8,16,3") == (1, 2, 3, 4, 8, 16)
+    assert parse_serving_depths(f"1-{MAX_SERVING_DEPTH}")[-1] == MAX_SERVING_DEPTH
+
+
+def test_update_depths_keep_the_order_written():
+    assert parse_update_depths("16,4") == (16, 4)
+    assert parse_update_depths("4,1-3") == (4, 1, 2, 3)
+    assert parse_update_depths("4") == (4,)
+
+
+@pytest.mark.parametrize("text", ["", "x", "1-", "-3", "0", "4-2", "1-2-3", "1.5"])
+def test_both_readings_refuse_what_the_grammar_does_not_allow(text):
+    with pytest.raises(InputError, match="--serving"):
+        parse_serving_depths(text)
+    with pytest.raises(InputError, match="--update-depths"):
+        parse_update_depths(text)
+
+
+def test_serving_depths_have_a_ceiling_and_update_depths_no_repeats():
+    with pytest.raises(InputError, match=f"<= {MAX_SERVING_DEPTH}"):
+        parse_serving_depths(f"1-{MAX_SERVING_DEPTH + 1}")
+    with pytest.raises(InputError, match="depth 4 more than once"):
+        parse_update_depths("4,1-4")
+    with pytest.raises(InputError, match="--serving-depths"):
+        parse_serving_depths("x", "--serving-depths")
