@@ -1,4 +1,10 @@
-"""The one exception type for bad user input (files, configs, specs)."""
+"""The project's two failure types besides bugs; the CLI maps each to an exit code:
+0 success, 1 a bug (traceback), 2 bad input (InputError, and OS errors such as a
+missing folder or a full disk), 3 the run failed (RunFailed)."""
+
+EXIT_BUG = 1
+EXIT_BAD_INPUT = 2
+EXIT_RUN_FAILED = 3
 
 
 class InputError(ValueError):
@@ -9,3 +15,9 @@ class InputError(ValueError):
     "runs/a/ckpt.pt: truncated or not a torch.save file". A ValueError subclass, so code
     that validated through the Python API with `except ValueError` keeps working.
     """
+
+
+class RunFailed(Exception):
+    """A run that started well and could not finish (divergence, the disk filling up during
+    training): the CLI prints the message on one line and exits 3. The message names the
+    step and the last good checkpoint to resume from."""

@@ -1,8 +1,9 @@
 """The `depthdiag` command line. Each command parses options, builds a frozen
 config, and calls one library function; the work lives in the libraries.
 
-Bad input (a missing or corrupt file, an invalid spec or config) is reported
-as one line on stderr with exit code 2; `--debug` shows the traceback.
+Bad input (a missing or corrupt file, an invalid spec or config, an unwritable
+output) is reported as one line on stderr with exit code 2, a run that failed
+(diverged, ran out of disk) with exit code 3; `--debug` shows the traceback.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -20,25 +22,38 @@ import click
 
 from common.choices import DEVICE_CHOICES, EVAL_SET_CHOICES, INTERVAL_METHOD_CHOICES, ISOLATE_CHOICES, RMS_MATCH_CHOICES
 from common.depths import MAX_SERVING_DEPTH
-from common.errors import InputError
+from common.errors import EXIT_BAD_INPUT, EXIT_RUN_FAILED, InputError, RunFailed
 
 if TYPE_CHECKING:
     from analysis.stats import IntervalOptions
 
 
-def reports_input_errors(command):
-    """Turn InputError, the project's bad-input error, into a one-line message and exit 2.
-    Any other exception is a bug and keeps its traceback (exit 1)."""
+def _os_error_line(err: OSError) -> str:
+    """'PATH: reason' for an OS error, on one line (some libraries put several in theirs)."""
+    reason = os.strerror(err.errno) if err.errno else str(err).splitlines()[0]
+    return f"{err.filename}: {reason}" if err.filename else reason
+
+
+def reports_errors(command):
+    """One line on stderr and the documented exit code for the project's failures:
+    InputError and OS errors (a missing folder, no permission, a full disk) exit 2,
+    RunFailed exits 3. Anything else is a bug and keeps its traceback (exit 1)."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except InputError as err:
+        except (InputError, RunFailed, OSError) as err:
             if click.get_current_context().find_root().params.get("debug"):
                 raise
-            click.echo(f"depthdiag: error: {err}", err=True)
-            sys.exit(2)
+            if isinstance(err, RunFailed):
+                message, code = str(err), EXIT_RUN_FAILED
+            elif isinstance(err, InputError):
+                message, code = str(err), EXIT_BAD_INPUT
+            else:
+                message, code = _os_error_line(err), EXIT_BAD_INPUT
+            click.echo(f"depthdiag: error: {message}", err=True)
+            sys.exit(code)
 
     return wrapper
 
@@ -54,6 +69,12 @@ def main(debug: bool) -> None:
       depthdiag diagnose runs/tiny/snapshots/*.pt --out results/tiny.h5
       depthdiag summarize results/tiny.h5
       depthdiag plot results/tiny.h5 --figure 4 --out figures/figure4.png
+
+    \b
+    Exit codes: 0 success; 1 a bug (traceback); 2 bad input (one line naming
+    the file and the problem, nothing half-written); 3 the run failed
+    (divergence, disk full during a run: one line naming the step and the last
+    good checkpoint). --debug shows the traceback for 2 and 3 too.
     """
 
 
@@ -105,7 +126,7 @@ _interval_option_declarations = stacked(
 
 def interval_options(command):
     """--level, --method and --resamples, handed to `command` as one `options`
-    (analysis.stats.IntervalOptions). Goes below `reports_input_errors`, which reports a bad level."""
+    (analysis.stats.IntervalOptions). Goes below `reports_errors`, which reports a bad level."""
 
     @functools.wraps(command)
     def with_options(*args, level: float, method: str, n_resamples: int, **kwargs):
@@ -142,7 +163,7 @@ def interval_options(command):
 )
 @click.option("--include-embeddings", is_flag=True, help="Count the LM head matmul too.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-@reports_input_errors
+@reports_errors
 def flops(
     config_path: str,
     updates: int | None,
@@ -228,7 +249,7 @@ def flops(
     help="Continue RUN_DIR from its newest checkpoint; the config must equal the stored one.",
 )
 @no_progress_option
-@reports_input_errors
+@reports_errors
 def train_run(
     config_path: str, out: str | None, overrides: tuple[str, ...], resume_dir: str | None, no_progress: bool
 ) -> None:
@@ -268,7 +289,7 @@ def train_run(
 @device_option
 @eval_batch_size_option("--batch-size")
 @no_progress_option
-@reports_input_errors
+@reports_errors
 def eval_checkpoint(
     checkpoint: Path, serving: str, out: Path | None, device: str, batch_size: int, no_progress: bool
 ) -> None:
@@ -345,7 +366,7 @@ def eval_checkpoint(
 @click.option("--resume", is_flag=True, help="Continue an interrupted run with the same settings.")
 @click.option("--force", is_flag=True, help="Discard an unfinished run or an existing OUT and start over.")
 @no_progress_option
-@reports_input_errors
+@reports_errors
 def diagnose(
     snapshots: tuple[str, ...],
     out: str,
@@ -418,7 +439,7 @@ def _warn_on_mixed_learning_rates(ds, results: tuple[Path, ...]) -> str | None:
 @main.command()
 @click.argument("results", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (NaN as null).")
-@reports_input_errors
+@reports_errors
 @interval_options
 def summarize(results: tuple[Path, ...], as_json: bool, options: IntervalOptions) -> None:
     """Per snapshot: depth-averaged benefit with its confidence intervals, and how long
@@ -484,7 +505,7 @@ def summarize(results: tuple[Path, ...], as_json: bool, options: IntervalOptions
     required=True,
     help="Image to write (e.g. figures/figure4.png); a PDF is written beside it.",
 )
-@reports_input_errors
+@reports_errors
 @interval_options
 def plot(results: tuple[Path, ...], figure_number: str, out: Path, options: IntervalOptions) -> None:
     """Draw a figure from RESULTS files (several files are several seeds: the error bars and
@@ -514,7 +535,7 @@ def plot(results: tuple[Path, ...], figure_number: str, out: Path, options: Inte
     help="Compare the switch with the snapshot after this many uniform updates.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON (NaN as null).")
-@reports_input_errors
+@reports_errors
 @interval_options
 def sensitivity(results: tuple[Path, ...], after_updates: int, as_json: bool, options: IntervalOptions) -> None:
     """Depth-averaged benefit at the switch and after --after uniform updates, for every
