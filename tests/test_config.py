@@ -34,6 +34,9 @@ def test_overrides_parse_toml_literals():
         ("[model]\nd_model = 128.0\n", "model.d_model must be int"),
         ("[model]\ntie_embeddings = 1\n", "model.tie_embeddings must be bool"),
         ("[train]\nsnapshot_uniform_updates = [0, 1.5]\n", "must be a list of integers"),
+        ("[optim]\nlr = nan\n", "optim.lr must be a finite number"),
+        ("[optim]\ngrad_clip = inf\n", "optim.grad_clip must be a finite number"),
+        ("[model]\ninit_std = -inf\n", "model.init_std must be a finite number"),
     ],
 )
 def test_bad_config_names_the_file(tmp_path, text, message):
@@ -49,7 +52,10 @@ def test_missing_config_file(tmp_path):
         load_config(tmp_path / "absent.toml")
 
 
-@pytest.mark.parametrize("assignment", ["updates=3", "train.nope=1", "nosection.x=1", "train.seed=-1", "data.seed=-2"])
+@pytest.mark.parametrize(
+    "assignment",
+    ["updates=3", "train.nope=1", "nosection.x=1", "train.seed=-1", "data.seed=-2", "optim.lr=nan", "optim.beta2=inf"],
+)
 def test_bad_override(assignment):
     with pytest.raises(InputError):
         load_config("configs/tiny.toml", [assignment])

@@ -11,12 +11,13 @@ and results file.
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from common.choices import PRECISION_CHOICES
+from common.choices import DEVICE_CHOICES, PRECISION_CHOICES
 from common.errors import InputError
 from trainer.model import ModelConfig
 from trainer.schedules import parse_schedule
@@ -128,8 +129,8 @@ class TrainConfig:
             raise InputError("train.checkpoint_every and train.snapshot_uniform_updates must be >= 0")
         if self.precision not in PRECISION_CHOICES:
             raise InputError(f"train.precision must be 'fp32' or 'bf16', got {self.precision!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise InputError(f"train.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.device not in DEVICE_CHOICES:
+            raise InputError(f"train.device must be one of {', '.join(DEVICE_CHOICES)}, got {self.device!r}")
         # Parsed here so a bad spec is reported against the config file that holds it.
         try:
             parse_schedule(self.schedule, seed=self.seed, total_updates=self.updates)
@@ -180,6 +181,8 @@ class RunConfig:
                 expected = _expected_type(klass, key)
                 if not _has_type(value, expected):
                     raise InputError(f"{source}: {name}.{key} must be {expected}, got {value!r}")
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise InputError(f"{source}: {name}.{key} must be a finite number, got {value!r}")
             try:
                 sections[name] = klass(**section)
             except (TypeError, ValueError) as err:
