@@ -29,7 +29,7 @@ from analysis.stats import (
     finishing_phase,
     plural,
 )
-from analysis.store import atomic_output
+from common.atomic import atomic_output
 from common.errors import InputError
 
 STYLE = "whitegrid"

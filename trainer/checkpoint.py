@@ -6,25 +6,22 @@ LR of the next update, the next training batches, the evaluation set). A
 checkpoint carries the same keys minus `batches`, plus what resuming needs
 (RNG states and the run's counters). `load_snapshot` reads both kinds.
 
-Writes are atomic: a temporary file in the same directory, then `os.replace`,
-so an interrupted write never leaves a half-written file under the final name.
+Writes are atomic (common/atomic.py): an interrupted write never leaves a
+half-written file under the final name.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import os
 import random
-import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import torch
 
+from common.atomic import atomic_output
 from common.errors import InputError
 from trainer.config import OptimConfig, RunConfig
 from trainer.model import LoopedTransformer
@@ -104,37 +101,15 @@ def _python_rng_state() -> dict[str, Any]:
     return {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss": gauss}
 
 
-@contextlib.contextmanager
-def _atomic_handle(path: str | Path, mode: str) -> Iterator[IO]:
-    """An open temporary file beside `path`; on success it is fsynced and moved over
-    `path` with os.replace, on any error (Ctrl-C included) removed."""
+def atomic_torch_save(payload: dict[str, Any], path: str | Path) -> Path:
+    """`torch.save(payload)` to `path` atomically (common/atomic.py), its directory created if need be."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        # mkstemp makes the file private (0600); the result should get the usual permissions.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        with os.fdopen(fd, mode) as handle:
-            yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-
-
-def atomic_torch_save(payload: dict[str, Any], path: str | Path) -> Path:
-    with _atomic_handle(path, "wb") as handle:
+    with atomic_output(path) as tmp, open(tmp, "wb") as handle:
+        # Saved through a handle, not a file name: torch names the archive's top folder
+        # after a file name, which would put the temporary name into the bytes.
         torch.save(payload, handle)
-    return Path(path)
-
-
-def atomic_write_text(text: str, path: str | Path) -> Path:
-    with _atomic_handle(path, "w") as handle:
-        handle.write(text)
-    return Path(path)
+    return path
 
 
 def _state_payload(

@@ -31,10 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from common.atomic import atomic_write_text
 from common.errors import InputError
 from common.progress import progress_bar
 from trainer.checkpoint import (
-    atomic_write_text,
     build_optimizer,
     load_snapshot,
     save_checkpoint,
