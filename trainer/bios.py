@@ -39,7 +39,7 @@ import torch
 
 from common.errors import InputError
 from common.progress import track
-from trainer.data import batch_rng, rank_rows
+from trainer.rng import batch_rng, rank_rows, seeded_generator
 
 ATTRIBUTES = ("birth city", "birth day", "birth month", "university", "major", "employer")
 
@@ -203,7 +203,7 @@ class BiosSource:
             raise InputError(
                 f"bioS people must be in [1, {spec.name_vocab**spec.name_length}] (distinct names), got {people}"
             )
-        rng = np.random.Generator(np.random.PCG64([seed, _POPULATION_STREAM, _BIOS_SALT]))
+        rng = seeded_generator(seed, _POPULATION_STREAM, _BIOS_SALT)
         spellings = tuple(
             spec.first_value_token
             + _digits(rng.choice(spec.value_vocab**length, cardinality, replace=False), spec.value_vocab, length)
@@ -289,7 +289,7 @@ class BiosSource:
         next relation token, not by the facts (those orders are for recall)."""
         if n < 1:
             raise InputError(f"n must be >= 1, got {n}")
-        rng = np.random.Generator(np.random.PCG64([self.seed, _EVAL_STREAM, _BIOS_SALT]))
+        rng = seeded_generator(self.seed, _EVAL_STREAM, _BIOS_SALT)
         return self._packed(rng, n, slice(None), seq_len, self._training)[0]
 
     def attribute_eval(self, n: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,7 +300,7 @@ class BiosSource:
         stream as `eval_tokens`."""
         if n < 1:
             raise InputError(f"n must be >= 1, got {n}")
-        rng = np.random.Generator(np.random.PCG64([self.seed, _EVAL_STREAM, _BIOS_SALT]))
+        rng = seeded_generator(self.seed, _EVAL_STREAM, _BIOS_SALT)
         tokens, owners = self._packed(rng, n, slice(None), seq_len, self._evaluation, with_owners=True)
         return tokens, owners[:, 1:] >= 0
 

@@ -1,0 +1,43 @@
+"""Seeded randomness: the one recipe every seeded numpy generator is built from, and
+the generator and rows of a global training batch.
+
+`seeded_generator(*words)` is PCG64 seeded with the list of words (through numpy's
+SeedSequence), so a generator is a pure function of its words and generators with
+different words are independent. The words in use:
+
+    (train.seed, step)               a training batch (`batch_rng`)
+    (train.seed, step, DEPTH_SALT)   a depth draw (trainer/schedules.py)
+    (data.seed, stream, BIOS_SALT)   the bioS population and evaluation set (trainer/bios.py)
+
+A global batch's randomness is drawn whole from `batch_rng(seed, step)` and each
+rank keeps its contiguous rows (`rank_rows`), so the ranks' rows in rank order are
+exactly the one-process batch and no rank needs to talk to another.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from common.errors import InputError
+
+
+def seeded_generator(*words: int) -> np.random.Generator:
+    """The numpy generator of `words` (non-negative integers); see the module docstring."""
+    return np.random.Generator(np.random.PCG64(list(words)))
+
+
+def batch_rng(seed: int, step: int) -> np.random.Generator:
+    """The generator of one global batch: a pure function of (seed, step)."""
+    if seed < 0 or step < 0:
+        raise InputError(f"seed and step must be >= 0, got seed={seed}, step={step}")
+    return seeded_generator(seed, step)
+
+
+def rank_rows(batch_size: int, rank: int, world_size: int) -> slice:
+    """The contiguous rows of a global batch that belong to `rank`."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise InputError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    if batch_size < 1 or batch_size % world_size:
+        raise InputError(f"batch_size={batch_size} must be a positive multiple of world_size={world_size}")
+    per_rank = batch_size // world_size
+    return slice(rank * per_rank, (rank + 1) * per_rank)
