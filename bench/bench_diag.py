@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from diag.engine import DiagnosticOptions, UpdateDiagnostic, _NllByDepth
-from trainer.checkpoint import build_optimizer
 from trainer.config import RunConfig, load_config
 from trainer.model import LoopedTransformer
+from trainer.optim import build_optimizer
 
 UPDATE_DEPTHS, SERVING = (4, 16), tuple(range(1, 17))
 FIRST_VERSION = {"precision": "fp32", "eval_batch_size": 32}

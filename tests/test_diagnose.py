@@ -20,10 +20,11 @@ from analysis.store import open_results
 from common.errors import InputError
 from diag.cli import main
 from diag.run import DiagnoseConfig, diagnose, parse_update_depths
-from trainer.checkpoint import build_optimizer, load_snapshot, save_checkpoint, save_snapshot
+from trainer.checkpoint import load_snapshot, save_checkpoint, save_snapshot
 from trainer.config import DataConfig, OptimConfig, RunConfig, TrainConfig
 from trainer.data import build_source
 from trainer.model import LoopedTransformer, ModelConfig
+from trainer.optim import build_optimizer
 
 SEQ, BATCH, CARRIED = 12, 4, 6
 UPDATE_DEPTHS, SERVING = (2, 5), (1, 2, 3, 5, 8)

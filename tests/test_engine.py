@@ -14,9 +14,9 @@ import torch.nn.functional as F
 
 import diag
 from diag.engine import DiagnosticOptions, UpdateDiagnostic, global_cosine, global_rms, match_rms
-from trainer.checkpoint import build_optimizer
 from trainer.config import OptimConfig
 from trainer.model import LoopedTransformer, ModelConfig
+from trainer.optim import build_optimizer
 from trainer.train import clip_gradients, training_loss
 
 VOCAB, SEQ = 48, 12

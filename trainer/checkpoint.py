@@ -13,18 +13,18 @@ half-written file under the final name.
 from __future__ import annotations
 
 import hashlib
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from common.atomic import atomic_output
 from common.errors import InputError
-from trainer.config import OptimConfig, RunConfig
+from trainer.config import RunConfig
 from trainer.model import LoopedTransformer
+from trainer.optim import OPTIMIZER_CLASSES, build_optimizer
+from trainer.rng import process_rng_state
 
 FORMAT_VERSION = 1
 """Bumped whenever the meaning or layout of a key changes; files of another version are refused."""
@@ -42,63 +42,6 @@ COMMON_KEYS = (
 )
 SNAPSHOT_KEYS = COMMON_KEYS + ("batches",)
 CHECKPOINT_KEYS = COMMON_KEYS + ("rng", "progress")
-
-OPTIMIZER_CLASSES = {"adamw": "AdamW", "sgd": "SGD"}
-
-
-def build_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
-    """The training optimizer over `model`'s parameters, in two param groups:
-    matrices (ndim >= 2, weight-decayed) first, then vectors (norm gains, no decay).
-    Loading a saved `optimizer` state requires exactly these groups."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    if optim.name == "adamw":
-        # foreach=False: the per-tensor kernel is what CPU uses anyway, and fixing it keeps
-        # resumed and diagnostic steps on the same arithmetic path on every device.
-        return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, foreach=False)
-    return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, foreach=False)
-
-
-def rng_state() -> dict[str, Any]:
-    """Every RNG the process may draw from, as tensors and plain types."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _python_rng_state()}
-    np_name, np_keys, np_pos, np_gauss, np_cached = np.random.get_state()
-    state["numpy"] = {
-        "name": np_name,
-        "keys": torch.from_numpy(np_keys.astype(np.int64)),
-        "pos": int(np_pos),
-        "has_gauss": int(np_gauss),
-        "cached_gaussian": float(np_cached),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]["version"], state["python"]["internal"], state["python"]["gauss"]
-    random.setstate((version, tuple(internal.tolist()), None if gauss is None else float(gauss)))
-    np_state = state["numpy"]
-    np.random.set_state(
-        (
-            np_state["name"],
-            np_state["keys"].numpy().astype(np.uint32),
-            np_state["pos"],
-            np_state["has_gauss"],
-            np_state["cached_gaussian"],
-        )
-    )
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _python_rng_state() -> dict[str, Any]:
-    version, internal, gauss = random.getstate()
-    return {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss": gauss}
 
 
 def atomic_torch_save(payload: dict[str, Any], path: str | Path) -> Path:
@@ -183,7 +126,7 @@ def save_checkpoint(
         lr=lr,
         eval_tokens=eval_tokens,
     )
-    payload["rng"] = rng_state()
+    payload["rng"] = process_rng_state()
     payload["progress"] = {k: float(v) for k, v in progress.items()}
     return atomic_torch_save(payload, path)
 

@@ -34,13 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from common.atomic import atomic_write_text
 from common.errors import InputError
 from common.progress import progress_bar
-from trainer.checkpoint import (
-    build_optimizer,
-    load_snapshot,
-    save_checkpoint,
-    save_snapshot,
-    set_rng_state,
-)
+from trainer.checkpoint import load_snapshot, save_checkpoint, save_snapshot
 from trainer.config import OptimConfig, RunConfig
 from trainer.data import build_source
 from trainer.distributed import (
@@ -55,6 +49,8 @@ from trainer.distributed import (
 )
 from trainer.flops import update_flops
 from trainer.model import IGNORE_INDEX, LoopedTransformer
+from trainer.optim import build_optimizer
+from trainer.rng import set_process_rng_state
 from trainer.schedules import parse_schedule
 
 CHECKPOINT_DIR = "checkpoints"
@@ -299,7 +295,7 @@ def _train(config: RunConfig, run_dir: Path, world: World, *, resume: bool, prog
                 "or train into a new directory"
             )
         model.load_state_dict(state.model_state)
-        set_rng_state(state.rng)
+        set_process_rng_state(state.rng)
         start, counters = state.step, dict(state.progress)
     elif checkpoint_path is not None:
         raise InputError(f"{run_dir}: already holds a run ({checkpoint_path.name}); resume it or choose another output")
