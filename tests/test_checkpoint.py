@@ -276,8 +276,8 @@ def test_eval_matches_separate_forwards_and_writes_a_dataset(run, tmp_path):
 
 
 def test_eval_reports_bios_recall_per_serving_depth(tmp_path):
-    from trainer.bios import recall_bits
     from trainer.evaluate import evaluate_checkpoint
+    from trainer.scoring import recall_bits
 
     config = RunConfig.from_dict(
         {
