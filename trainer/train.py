@@ -123,8 +123,9 @@ def training_loss(model: torch.nn.Module, batch: torch.Tensor, depth: int, *, pr
     return loss_sum_of(model, batch, depth, precision=precision) / float(counted_targets(batch))
 
 
-def clip_gradients(params: list[torch.Tensor], grad_clip: float) -> torch.Tensor:
-    """Clip the global gradient norm to `grad_clip` (0: no clipping); returns the norm before clipping."""
+def clip_grad_norm_in_place(params: list[torch.Tensor], grad_clip: float) -> torch.Tensor:
+    """Scale the gradients of `params` in place so their global norm is at most `grad_clip`
+    (0: no clipping); returns the norm before clipping."""
     if grad_clip:
         return torch.nn.utils.clip_grad_norm_(params, grad_clip)
     # The norm clip_grad_norm_ computes, spelled out: torch.nn.utils.get_total_norm needs torch >= 2.6.
@@ -183,7 +184,7 @@ class TrainStep:
             group["lr"] = lr
         loss_sum = loss_sum_of(self.forward, batch, depth, precision=self.precision)
         (loss_sum / (divisor if divisor is not None else counted_targets(batch))).backward()
-        grad_norm = clip_gradients(self.params, self.grad_clip)
+        grad_norm = clip_grad_norm_in_place(self.params, self.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum.detach(), grad_norm.detach()
