@@ -204,36 +204,12 @@ def _one_line(err: BaseException) -> str:
 def load_snapshot(path: str | Path) -> Snapshot:
     """Read and validate a snapshot or checkpoint; any problem raises InputError "PATH: problem"."""
     path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{path}: no such file")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # torch raises RuntimeError, EOFError, UnpicklingError... for damaged files
-        raise InputError(f"{path}: truncated or not a depthdiag snapshot/checkpoint ({_one_line(err)})") from None
-    if not isinstance(payload, dict):
-        raise InputError(f"{path}: not a depthdiag snapshot/checkpoint (top level is {type(payload).__name__})")
-    version = payload.get("format_version")
-    if version != FORMAT_VERSION:
-        raise InputError(f"{path}: format_version {version!r}, this depthdiag reads format_version {FORMAT_VERSION}")
+    payload = _read_payload(path)
     is_snapshot = "batches" in payload
-    missing = [k for k in (SNAPSHOT_KEYS if is_snapshot else CHECKPOINT_KEYS) if k not in payload]
-    if missing:
-        raise InputError(f"{path}: missing key(s) {', '.join(missing)}")
     if not isinstance(payload["config"], str):
         raise InputError(f"{path}: 'config' must be a JSON string")
     config = RunConfig.from_json(payload["config"], source=f"{path} (stored config)")
-    for key in ("step", "uniform_updates"):
-        if not isinstance(payload[key], int):
-            raise InputError(f"{path}: '{key}' must be an int")
-    if payload["step"] < 0:
-        raise InputError(f"{path}: negative step {payload['step']}")
-    expected_class = OPTIMIZER_CLASSES[config.optim.name]
-    if payload["optimizer_class"] != expected_class:
-        raise InputError(
-            f"{path}: optimizer_class {payload['optimizer_class']!r} does not match optim.name={config.optim.name!r}"
-        )
-    if not isinstance(payload["lr"], float):
-        raise InputError(f"{path}: 'lr' must be a float")
+    _check_scalars(path, config, payload)
     T1 = config.train.seq_len + 1
     eval_tokens = _check_tokens(
         path, "eval_tokens", payload["eval_tokens"], (config.data.eval_sequences, T1), config.model.vocab_size
@@ -264,6 +240,42 @@ def load_snapshot(path: str | Path) -> Snapshot:
         rng=payload.get("rng"),
         progress=payload.get("progress"),
     )
+
+
+def _read_payload(path: Path) -> dict[str, Any]:
+    """The file's top-level dict, once it is known to be of this format version with every key of its kind."""
+    if not path.is_file():
+        raise InputError(f"{path}: no such file")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises RuntimeError, EOFError, UnpicklingError... for damaged files
+        raise InputError(f"{path}: truncated or not a depthdiag snapshot/checkpoint ({_one_line(err)})") from None
+    if not isinstance(payload, dict):
+        raise InputError(f"{path}: not a depthdiag snapshot/checkpoint (top level is {type(payload).__name__})")
+    version = payload.get("format_version")
+    if version != FORMAT_VERSION:
+        raise InputError(f"{path}: format_version {version!r}, this depthdiag reads format_version {FORMAT_VERSION}")
+    is_snapshot = "batches" in payload
+    missing = [k for k in (SNAPSHOT_KEYS if is_snapshot else CHECKPOINT_KEYS) if k not in payload]
+    if missing:
+        raise InputError(f"{path}: missing key(s) {', '.join(missing)}")
+    return payload
+
+
+def _check_scalars(path: Path, config: RunConfig, payload: dict[str, Any]) -> None:
+    """step, uniform_updates, optimizer_class and lr: their types, and the class against the stored config."""
+    for key in ("step", "uniform_updates"):
+        if not isinstance(payload[key], int):
+            raise InputError(f"{path}: '{key}' must be an int")
+    if payload["step"] < 0:
+        raise InputError(f"{path}: negative step {payload['step']}")
+    expected_class = OPTIMIZER_CLASSES[config.optim.name]
+    if payload["optimizer_class"] != expected_class:
+        raise InputError(
+            f"{path}: optimizer_class {payload['optimizer_class']!r} does not match optim.name={config.optim.name!r}"
+        )
+    if not isinstance(payload["lr"], float):
+        raise InputError(f"{path}: 'lr' must be a float")
 
 
 def _check_tokens(path: Path, key: str, value: Any, shape: tuple[int, ...], vocab_size: int) -> torch.Tensor:
