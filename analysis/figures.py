@@ -30,7 +30,7 @@ from analysis.stats import (
     method_name,
     plural,
 )
-from analysis.store import atomic_output
+from common.atomic import atomic_output
 from common.benefit import benefit_description
 from common.errors import InputError
 

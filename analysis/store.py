@@ -17,16 +17,14 @@ netCDF reader sees the same values.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import xarray as xr
 
+from common.atomic import atomic_output
 from common.errors import InputError
 
 ENGINE = "h5netcdf"
@@ -42,32 +40,6 @@ VARIABLE_DIMS: dict[str, tuple[str, ...]] = {
 }
 INDEX_COORDS = ("snapshot", "batch", "update_depth", "serving_depth")
 SNAPSHOT_COORDS = ("uniform_updates", "step")
-
-
-@contextlib.contextmanager
-def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside `path`; on success move it over `path` atomically.
-
-    The temporary file keeps `path`'s suffix so writers that infer the format from
-    the name (matplotlib's savefig) behave as for the final name. On error the
-    temporary file is removed and `path` is left as it was.
-    """
-    path = Path(path)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".tmp{path.suffix}", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        # mkstemp creates the file private (0600); the result should get the usual permissions.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        yield tmp
-        # The data must be on disk before the rename makes it visible under the real name.
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _netcdf_attr(name: str, value):

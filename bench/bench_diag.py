@@ -28,10 +28,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from diag.engine import DiagnosticOptions, UpdateDiagnostic, _NllByDepth
-from trainer.checkpoint import build_optimizer
+from diag.engine import DiagnosticOptions, UpdateDiagnostic
 from trainer.config import RunConfig, load_config
 from trainer.model import LoopedTransformer
+from trainer.optim import build_optimizer
+from trainer.scoring import NllByDepth
 
 UPDATE_DEPTHS, SERVING = (4, 16), tuple(range(1, 17))
 FIRST_VERSION = {"precision": "fp32", "eval_batch_size": 32}
@@ -120,7 +121,7 @@ def stacked_evaluation(diagnostic: UpdateDiagnostic, updates) -> torch.Tensor:
         params.append(values)
     stacked = {f"model.{name}": torch.stack([p[name] for p in params]) for name in params[0]}
     buffers = {f"model.{name}": b for name, b in diagnostic.buffers.items()}
-    module = _NllByDepth(diagnostic.model)
+    module = NllByDepth(diagnostic.model)
     tokens = diagnostic.eval_tokens
     with torch.no_grad():
         nll = torch.vmap(

@@ -19,6 +19,7 @@ forwards go through `torch.func.functional_call` on clones.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 from collections.abc import Iterable, Iterator, Sequence
@@ -35,9 +36,8 @@ from common.benefit import benefit_description
 from common.choices import ISOLATE_CHOICES, PRECISION_CHOICES, RMS_MATCH_CHOICES
 from common.errors import InputError
 from diag.optim_step import OptimizerStep, optimizer_step
-
-IGNORE_INDEX = -1
-"""Target value skipped by the training loss and the evaluation (as trainer.model.IGNORE_INDEX)."""
+from trainer.model import IGNORE_INDEX
+from trainer.scoring import chunk_counts, mean_nll_by_depth, output_logits
 
 
 def _depth_tuple(values: Iterable[int], name: str) -> tuple[int, ...]:
@@ -170,10 +170,6 @@ def clipped_gradients(grads: list[Tensor], max_norm: float | None) -> list[Tenso
     return [g * coef.to(g.device) for g in grads]
 
 
-def _logits(output) -> Tensor:
-    return output.logits if hasattr(output, "logits") else output
-
-
 def _check_tokens(tokens: Tensor, name: str) -> Tensor:
     if not torch.is_tensor(tokens) or tokens.dim() != 2 or tokens.shape[1] < 2:
         shape = tuple(tokens.shape) if torch.is_tensor(tokens) else type(tokens).__name__
@@ -181,17 +177,6 @@ def _check_tokens(tokens: Tensor, name: str) -> Tensor:
     if tokens.is_floating_point() or tokens.is_complex():
         raise InputError(f"{name} must hold integer token ids, got {tokens.dtype}")
     return tokens.long()
-
-
-class _NllByDepth(nn.Module):
-    """Routes forward to `model.nll_by_depth` so functional_call can substitute weights."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: Tensor, targets: Tensor, depths: list[int]) -> Tensor:
-        return self.model.nll_by_depth(input_ids, targets, depths)
 
 
 # --- the diagnostic ----------------------------------------------------------------------------
@@ -263,14 +248,11 @@ class UpdateDiagnostic:
         """int64 [E, T]: the evaluation targets, IGNORE_INDEX where eval_mask leaves a token out."""
         # Counted targets per evaluation chunk, read once: every evaluation reuses them, and
         # reading them per chunk would stall the device on each one.
-        self._chunk_counts = [
-            int((rows != IGNORE_INDEX).sum()) for rows in self.eval_targets.split(options.eval_batch_size)
-        ]
+        self._chunk_counts = chunk_counts(self.eval_targets, options.eval_batch_size)
         if sum(self._chunk_counts) == 0:
             raise InputError("the evaluation set has no counted target (all IGNORE_INDEX or masked out)")
         self._delta0: list[Tensor] | None = None
         self._nll_before: np.ndarray | None = None
-        self._nll_module = _NllByDepth(model) if callable(getattr(model, "nll_by_depth", None)) else None
 
     # --- pieces, each usable on its own ---
 
@@ -294,7 +276,7 @@ class UpdateDiagnostic:
             output = torch.func.functional_call(
                 self.model, self._state(leaves), (batch[:, :-1],), {self.options.depth_kwarg: int(depth)}
             )
-        logits = _logits(output)  # [B, T, V]
+        logits = output_logits(output)  # [B, T, V]
         targets = batch[:, 1:]
         # Summed, then divided by the counted targets: the training loop's form, to the bit.
         loss = F.cross_entropy(
@@ -325,38 +307,23 @@ class UpdateDiagnostic:
 
     def evaluate(self, update: Sequence[Tensor] | None = None) -> np.ndarray:
         """Mean token NLL of theta + update on the evaluation set at every serving depth
-        (float64 [S]), token-weighted over chunks of rows."""
+        (float64 [S]), token-weighted over chunks of rows (trainer/scoring.py)."""
         params = dict(self.theta)
         if update is not None:
             for name, u in zip(self.stepped, update):
                 params[name] = params[name] + u
-        depths = list(self.options.serving_depths)
-        total = torch.zeros(len(depths), dtype=torch.float64, device=self.device)
-        with torch.no_grad(), _module_mode(self.model, training=False):
-            chunks = zip(
-                self.eval_tokens.split(self.options.eval_batch_size),
-                self.eval_targets.split(self.options.eval_batch_size),
-                self._chunk_counts,
+        with _module_mode(self.model, training=False):
+            nll = mean_nll_by_depth(
+                self.model,
+                self.eval_tokens,
+                list(self.options.serving_depths),
+                targets=self.eval_targets,
+                batch_size=self.options.eval_batch_size,
+                counts=self._chunk_counts,
+                state=functools.partial(self._state, params),
+                depth_kwarg=self.options.depth_kwarg,
             )
-            for rows, targets, count in chunks:
-                if count == 0:
-                    continue
-                inputs = rows[:, :-1]  # [b, T], targets [b, T]
-                total += self._chunk_nll(params, inputs, targets, depths).double() * count
-        return (total / sum(self._chunk_counts)).cpu().numpy()
-
-    def _chunk_nll(self, params: dict[str, Tensor], inputs: Tensor, targets: Tensor, depths: list[int]) -> Tensor:
-        if self._nll_module is not None:
-            state = {f"model.{k}": v for k, v in self._state(params).items()}
-            return torch.func.functional_call(self._nll_module, state, (inputs, targets, depths))
-        nll = []
-        for s in depths:
-            output = torch.func.functional_call(
-                self.model, self._state(params), (inputs,), {self.options.depth_kwarg: s}
-            )
-            logits = _logits(output)  # [b, T, V]
-            nll.append(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX))
-        return torch.stack(nll)
+        return nll.cpu().numpy()
 
     @property
     def nll_before(self) -> np.ndarray:

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 import xarray as xr
 
-from analysis.store import atomic_output, write_dataset
+from analysis.store import write_dataset
+from common.atomic import atomic_output
 from common.benefit import benefit_description
 from common.choices import DEVICE_CHOICES, EVAL_SET_CHOICES
 from common.errors import InputError

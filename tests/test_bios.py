@@ -5,10 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.bios import ATTRIBUTES, SEP, BiosSource, BiosSpec, logits_by_depth, recall_bits, score_recall
+from trainer.bios import ATTRIBUTES, SEP, BiosSource, BiosSpec
 from trainer.config import load_config
 from trainer.data import TokenSource, build_source
 from trainer.model import LoopedTransformer, ModelConfig
+from trainer.scoring import logits_by_depth, recall_bits, score_recall
 
 CITY, EMPLOYER = ATTRIBUTES.index("birth city"), ATTRIBUTES.index("employer")
 

@@ -15,10 +15,11 @@ from click.testing import CliRunner
 
 from common.errors import InputError
 from diag.cli import main
-from trainer.checkpoint import FORMAT_VERSION, atomic_torch_save, build_optimizer, load_snapshot, save_snapshot
+from trainer.checkpoint import FORMAT_VERSION, atomic_torch_save, load_snapshot, save_snapshot
 from trainer.config import RunConfig
 from trainer.data import build_source
 from trainer.model import LoopedTransformer
+from trainer.optim import build_optimizer
 from trainer.schedules import parse_schedule
 from trainer.train import TrainStep, lr_at, train, training_loss
 
@@ -275,8 +276,8 @@ def test_eval_matches_separate_forwards_and_writes_a_dataset(run, tmp_path):
 
 
 def test_eval_reports_bios_recall_per_serving_depth(tmp_path):
-    from trainer.bios import recall_bits
     from trainer.evaluate import evaluate_checkpoint
+    from trainer.scoring import recall_bits
 
     config = RunConfig.from_dict(
         {

@@ -110,4 +110,4 @@ def test_two_gloo_processes_match_one_process(tmp_path):
             torch.testing.assert_close(tensor, b.model_state[name], rtol=1e-4, atol=1e-5)
         if a.batches is not None:
             assert torch.equal(a.batches, b.batches)
-    assert not list((tmp_path / "ddp").rglob("*.tmp"))
+    assert not list((tmp_path / "ddp").rglob("*.tmp*"))

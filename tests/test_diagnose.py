@@ -21,10 +21,11 @@ from common.depths import parse_update_depths
 from common.errors import InputError
 from diag.cli import main
 from diag.run import DiagnoseConfig, diagnose
-from trainer.checkpoint import build_optimizer, load_snapshot, save_checkpoint, save_snapshot
+from trainer.checkpoint import load_snapshot, save_checkpoint, save_snapshot
 from trainer.config import DataConfig, OptimConfig, RunConfig, TrainConfig
 from trainer.data import build_source
 from trainer.model import LoopedTransformer, ModelConfig
+from trainer.optim import build_optimizer
 
 SEQ, BATCH, CARRIED = 12, 4, 6
 UPDATE_DEPTHS, SERVING = (2, 5), (1, 2, 3, 5, 8)

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 
 import diag
 from diag.engine import DiagnosticOptions, UpdateDiagnostic, global_cosine, global_rms, match_rms
-from trainer.checkpoint import build_optimizer
 from trainer.config import OptimConfig
 from trainer.model import LoopedTransformer, ModelConfig
-from trainer.train import clip_gradients, training_loss
+from trainer.optim import build_optimizer
+from trainer.train import clip_grad_norm_in_place, training_loss
 
 VOCAB, SEQ = 48, 12
 UPDATE_DEPTHS, SERVING = (2, 6), tuple(range(1, 9))
@@ -169,7 +169,7 @@ def test_gradient_is_the_training_loops_gradient_bitwise(precision):
     reference = copy.deepcopy(model)
     expected = training_loss(reference, batch, 3, precision=precision)
     expected.backward()
-    norm = clip_gradients([p for p in reference.parameters() if p.requires_grad], 0.05)
+    norm = clip_grad_norm_in_place([p for p in reference.parameters() if p.requires_grad], 0.05)
     assert float(norm) > 0.05  # the clip is active
     assert loss == expected.item()
     named = dict(reference.named_parameters())

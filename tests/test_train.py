@@ -15,7 +15,7 @@ from trainer.checkpoint import load_snapshot
 from trainer.config import OptimConfig, RunConfig
 from trainer.flops import update_flops
 from trainer.schedules import parse_schedule
-from trainer.train import clip_gradients, latest_checkpoint, lr_at, train
+from trainer.train import clip_grad_norm_in_place, latest_checkpoint, lr_at, train
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing in the old oak tree".split()
 
@@ -86,13 +86,13 @@ def test_lr_at_rejects_negative_step():
         lr_at(-1, OptimConfig(), 10)
 
 
-def test_clip_gradients_without_clipping_reports_the_global_norm_and_leaves_gradients_alone():
+def test_clip_grad_norm_in_place_without_clipping_reports_the_global_norm_and_leaves_gradients_alone():
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
     for p in params:
         p.grad = torch.randn_like(p)
     before = [p.grad.clone() for p in params]
-    norm = clip_gradients(params, 0.0)
+    norm = clip_grad_norm_in_place(params, 0.0)
     assert all(torch.equal(p.grad, g) for p, g in zip(params, before))
     torch.testing.assert_close(norm, torch.linalg.vector_norm(torch.cat([g.flatten() for g in before])))
 
@@ -156,7 +156,7 @@ def test_interrupt_then_resume_is_bit_exact(tmp_path, monkeypatch, precision):
         train(config, resumed, progress=False)
     monkeypatch.undo()
     assert latest_checkpoint(resumed).name == "step_000004.pt"  # at most one checkpoint interval lost
-    assert not list(resumed.rglob("*.tmp"))
+    assert not list(resumed.rglob("*.tmp*"))
     summary = train(config, resumed, resume=True, progress=False)
     assert summary.resumed_from == 4
 

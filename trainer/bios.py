@@ -25,21 +25,21 @@ of the 5 evaluation templates; recalled bits per person is the sum of
 log2(cardinality) over recalled facts, averaged over people. With teacher
 forcing, one pass over the full evaluation bio scores all six facts at once:
 a value is produced exactly by greedy decoding iff the argmax is right at
-every one of its tokens given the right earlier tokens.
+every one of its tokens given the right earlier tokens. This module generates the
+data; trainer/scoring.py scores a model on it (`recall_bits`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from common.errors import InputError
-from common.progress import track
-from trainer.data import batch_rng, rank_rows
+from trainer.rng import batch_rng, rank_rows, seeded_generator
 
 ATTRIBUTES = ("birth city", "birth day", "birth month", "university", "major", "employer")
 
@@ -203,7 +203,7 @@ class BiosSource:
             raise InputError(
                 f"bioS people must be in [1, {spec.name_vocab**spec.name_length}] (distinct names), got {people}"
             )
-        rng = np.random.Generator(np.random.PCG64([seed, _POPULATION_STREAM, _BIOS_SALT]))
+        rng = seeded_generator(seed, _POPULATION_STREAM, _BIOS_SALT)
         spellings = tuple(
             spec.first_value_token
             + _digits(rng.choice(spec.value_vocab**length, cardinality, replace=False), spec.value_vocab, length)
@@ -289,7 +289,7 @@ class BiosSource:
         next relation token, not by the facts (those orders are for recall)."""
         if n < 1:
             raise InputError(f"n must be >= 1, got {n}")
-        rng = np.random.Generator(np.random.PCG64([self.seed, _EVAL_STREAM, _BIOS_SALT]))
+        rng = seeded_generator(self.seed, _EVAL_STREAM, _BIOS_SALT)
         return self._packed(rng, n, slice(None), seq_len, self._training)[0]
 
     def attribute_eval(self, n: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,7 +300,7 @@ class BiosSource:
         stream as `eval_tokens`."""
         if n < 1:
             raise InputError(f"n must be >= 1, got {n}")
-        rng = np.random.Generator(np.random.PCG64([self.seed, _EVAL_STREAM, _BIOS_SALT]))
+        rng = seeded_generator(self.seed, _EVAL_STREAM, _BIOS_SALT)
         tokens, owners = self._packed(rng, n, slice(None), seq_len, self._evaluation, with_owners=True)
         return tokens, owners[:, 1:] >= 0
 
@@ -322,74 +322,3 @@ def _digits(codes: np.ndarray, base: int, length: int) -> np.ndarray:
     """int64 [n, length]: base-`base` digits of codes, most significant first."""
     powers = base ** np.arange(length - 1, -1, -1)
     return (codes[:, None] // powers) % base
-
-
-def score_recall(correct: np.ndarray, cardinalities: Sequence[int], min_templates: int = 4) -> float:
-    """Recalled bits per person from exactness flags bool [people, attributes,
-    templates]: a fact is recalled when exact on >= min_templates templates and
-    is worth log2(cardinality) bits; the bits are averaged over people."""
-    correct = np.asarray(correct, dtype=bool)
-    if correct.ndim != 3 or correct.shape[1] != len(cardinalities):
-        raise InputError(f"correct must be [people, {len(cardinalities)}, templates], got {correct.shape}")
-    recalled = correct.sum(axis=2) >= min_templates  # [people, attributes]
-    return float((recalled @ np.log2(np.asarray(cardinalities, dtype=np.float64))).mean())
-
-
-def exact_values(logits: torch.Tensor, tokens: torch.Tensor, owner: torch.Tensor, attributes: int) -> torch.Tensor:
-    """bool [rows, attributes]: whether the argmax of logits [rows, T, V] at every
-    value token of an attribute (owner [rows, T]) names the token tokens [rows, T]."""
-    wrong = logits[:, :-1].argmax(-1) != tokens[:, 1:]  # [rows, T-1]
-    bins = torch.zeros(len(tokens), attributes + 1, dtype=torch.int64, device=tokens.device)
-    bins.scatter_add_(1, owner[:, 1:] + 1, wrong.long())  # bin 0 collects non-value positions, ignored
-    return bins[:, 1:] == 0
-
-
-def logits_by_depth(
-    model: torch.nn.Module, input_ids: torch.Tensor, depths: Sequence[int]
-) -> Iterator[tuple[int, torch.Tensor]]:
-    """(depth, logits [B, T, V]) for each depth in increasing order. A LoopedTransformer
-    reads out every wanted depth from one pass of max(depths) iterations (as
-    nll_by_depth does); other models get one forward per depth."""
-    wanted = sorted(set(int(d) for d in depths))
-    if hasattr(model, "logits_by_depth"):
-        yield from model.logits_by_depth(input_ids, wanted)
-        return
-    for depth in wanted:
-        yield depth, model(input_ids, depth=depth)
-
-
-@torch.no_grad()
-def recall_bits(
-    model: torch.nn.Module,
-    source: BiosSource,
-    depths: Sequence[int],
-    *,
-    device: str | torch.device = "cpu",
-    batch_size: int = 512,
-    progress: bool = False,
-) -> dict[int, float]:
-    """Recalled bits per person at each serving depth (greedy, teacher-forced; see
-    the module docstring). The model must already be on `device`; it is put in eval
-    mode and restored afterwards."""
-    spec = source.spec
-    depths = sorted(set(int(d) for d in depths))
-    if not depths:
-        raise InputError("depths must not be empty")
-    tokens, owner = source.recall_set()
-    exact = torch.zeros(len(depths), len(tokens), len(ATTRIBUTES), dtype=torch.bool)
-    was_training = model.training
-    model.eval()
-    try:
-        starts = range(0, len(tokens), batch_size)
-        for start in track(starts, len(starts), "recall", "batch", enabled=progress):
-            chunk = slice(start, start + batch_size)
-            ids, own = tokens[chunk].to(device), owner[chunk].to(device)
-            for i, (_, logits) in enumerate(logits_by_depth(model, ids, depths)):
-                exact[i, chunk] = exact_values(logits, ids, own, len(ATTRIBUTES)).cpu()
-    finally:
-        model.train(was_training)
-    # rows are person-major: [depths, people * templates, A] -> [depths, people, A, templates]
-    exact = exact.view(len(depths), source.people, spec.templates, len(ATTRIBUTES)).permute(0, 1, 3, 2).numpy()
-    return {
-        depth: score_recall(exact[i], spec.cardinalities, spec.recall_min_templates) for i, depth in enumerate(depths)
-    }

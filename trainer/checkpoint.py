@@ -6,28 +6,25 @@ LR of the next update, the next training batches, the evaluation set). A
 checkpoint carries the same keys minus `batches`, plus what resuming needs
 (RNG states and the run's counters). `load_snapshot` reads both kinds.
 
-Writes are atomic: a temporary file in the same directory, then `os.replace`,
-so an interrupted write never leaves a half-written file under the final name.
+Writes are atomic (common/atomic.py): an interrupted write never leaves a
+half-written file under the final name.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import os
-import random
-import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-import numpy as np
 import torch
 
+from common.atomic import atomic_output
 from common.errors import InputError
-from trainer.config import OptimConfig, RunConfig
+from trainer.config import RunConfig
 from trainer.model import LoopedTransformer
+from trainer.optim import OPTIMIZER_CLASSES, build_optimizer
+from trainer.rng import process_rng_state
 
 FORMAT_VERSION = 1
 """Bumped whenever the meaning or layout of a key changes; files of another version are refused."""
@@ -46,95 +43,16 @@ COMMON_KEYS = (
 SNAPSHOT_KEYS = COMMON_KEYS + ("batches",)
 CHECKPOINT_KEYS = COMMON_KEYS + ("rng", "progress")
 
-OPTIMIZER_CLASSES = {"adamw": "AdamW", "sgd": "SGD"}
-
-
-def build_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
-    """The training optimizer over `model`'s parameters, in two param groups:
-    matrices (ndim >= 2, weight-decayed) first, then vectors (norm gains, no decay).
-    Loading a saved `optimizer` state requires exactly these groups."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    if optim.name == "adamw":
-        # foreach=False: the per-tensor kernel is what CPU uses anyway, and fixing it keeps
-        # resumed and diagnostic steps on the same arithmetic path on every device.
-        return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, foreach=False)
-    return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, foreach=False)
-
-
-def rng_state() -> dict[str, Any]:
-    """Every RNG the process may draw from, as tensors and plain types."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _python_rng_state()}
-    np_name, np_keys, np_pos, np_gauss, np_cached = np.random.get_state()
-    state["numpy"] = {
-        "name": np_name,
-        "keys": torch.from_numpy(np_keys.astype(np.int64)),
-        "pos": int(np_pos),
-        "has_gauss": int(np_gauss),
-        "cached_gaussian": float(np_cached),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]["version"], state["python"]["internal"], state["python"]["gauss"]
-    random.setstate((version, tuple(internal.tolist()), None if gauss is None else float(gauss)))
-    np_state = state["numpy"]
-    np.random.set_state(
-        (
-            np_state["name"],
-            np_state["keys"].numpy().astype(np.uint32),
-            np_state["pos"],
-            np_state["has_gauss"],
-            np_state["cached_gaussian"],
-        )
-    )
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _python_rng_state() -> dict[str, Any]:
-    version, internal, gauss = random.getstate()
-    return {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss": gauss}
-
-
-@contextlib.contextmanager
-def _atomic_handle(path: str | Path, mode: str) -> Iterator[IO]:
-    """An open temporary file beside `path`; on success it is fsynced and moved over
-    `path` with os.replace, on any error (Ctrl-C included) removed."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        # mkstemp makes the file private (0600); the result should get the usual permissions.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        with os.fdopen(fd, mode) as handle:
-            yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-
 
 def atomic_torch_save(payload: dict[str, Any], path: str | Path) -> Path:
-    with _atomic_handle(path, "wb") as handle:
+    """`torch.save(payload)` to `path` atomically (common/atomic.py), its directory created if need be."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_output(path) as tmp, open(tmp, "wb") as handle:
+        # Saved through a handle, not a file name: torch names the archive's top folder
+        # after a file name, which would put the temporary name into the bytes.
         torch.save(payload, handle)
-    return Path(path)
-
-
-def atomic_write_text(text: str, path: str | Path) -> Path:
-    with _atomic_handle(path, "w") as handle:
-        handle.write(text)
-    return Path(path)
+    return path
 
 
 def _state_payload(
@@ -208,7 +126,7 @@ def save_checkpoint(
         lr=lr,
         eval_tokens=eval_tokens,
     )
-    payload["rng"] = rng_state()
+    payload["rng"] = process_rng_state()
     payload["progress"] = {k: float(v) for k, v in progress.items()}
     return atomic_torch_save(payload, path)
 
@@ -286,36 +204,12 @@ def _one_line(err: BaseException) -> str:
 def load_snapshot(path: str | Path) -> Snapshot:
     """Read and validate a snapshot or checkpoint; any problem raises InputError "PATH: problem"."""
     path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{path}: no such file")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # torch raises RuntimeError, EOFError, UnpicklingError... for damaged files
-        raise InputError(f"{path}: truncated or not a depthdiag snapshot/checkpoint ({_one_line(err)})") from None
-    if not isinstance(payload, dict):
-        raise InputError(f"{path}: not a depthdiag snapshot/checkpoint (top level is {type(payload).__name__})")
-    version = payload.get("format_version")
-    if version != FORMAT_VERSION:
-        raise InputError(f"{path}: format_version {version!r}, this depthdiag reads format_version {FORMAT_VERSION}")
+    payload = _read_payload(path)
     is_snapshot = "batches" in payload
-    missing = [k for k in (SNAPSHOT_KEYS if is_snapshot else CHECKPOINT_KEYS) if k not in payload]
-    if missing:
-        raise InputError(f"{path}: missing key(s) {', '.join(missing)}")
     if not isinstance(payload["config"], str):
         raise InputError(f"{path}: 'config' must be a JSON string")
     config = RunConfig.from_json(payload["config"], source=f"{path} (stored config)")
-    for key in ("step", "uniform_updates"):
-        if not isinstance(payload[key], int):
-            raise InputError(f"{path}: '{key}' must be an int")
-    if payload["step"] < 0:
-        raise InputError(f"{path}: negative step {payload['step']}")
-    expected_class = OPTIMIZER_CLASSES[config.optim.name]
-    if payload["optimizer_class"] != expected_class:
-        raise InputError(
-            f"{path}: optimizer_class {payload['optimizer_class']!r} does not match optim.name={config.optim.name!r}"
-        )
-    if not isinstance(payload["lr"], float):
-        raise InputError(f"{path}: 'lr' must be a float")
+    _check_scalars(path, config, payload)
     T1 = config.train.seq_len + 1
     eval_tokens = _check_tokens(
         path, "eval_tokens", payload["eval_tokens"], (config.data.eval_sequences, T1), config.model.vocab_size
@@ -346,6 +240,42 @@ def load_snapshot(path: str | Path) -> Snapshot:
         rng=payload.get("rng"),
         progress=payload.get("progress"),
     )
+
+
+def _read_payload(path: Path) -> dict[str, Any]:
+    """The file's top-level dict, once it is known to be of this format version with every key of its kind."""
+    if not path.is_file():
+        raise InputError(f"{path}: no such file")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises RuntimeError, EOFError, UnpicklingError... for damaged files
+        raise InputError(f"{path}: truncated or not a depthdiag snapshot/checkpoint ({_one_line(err)})") from None
+    if not isinstance(payload, dict):
+        raise InputError(f"{path}: not a depthdiag snapshot/checkpoint (top level is {type(payload).__name__})")
+    version = payload.get("format_version")
+    if version != FORMAT_VERSION:
+        raise InputError(f"{path}: format_version {version!r}, this depthdiag reads format_version {FORMAT_VERSION}")
+    is_snapshot = "batches" in payload
+    missing = [k for k in (SNAPSHOT_KEYS if is_snapshot else CHECKPOINT_KEYS) if k not in payload]
+    if missing:
+        raise InputError(f"{path}: missing key(s) {', '.join(missing)}")
+    return payload
+
+
+def _check_scalars(path: Path, config: RunConfig, payload: dict[str, Any]) -> None:
+    """step, uniform_updates, optimizer_class and lr: their types, and the class against the stored config."""
+    for key in ("step", "uniform_updates"):
+        if not isinstance(payload[key], int):
+            raise InputError(f"{path}: '{key}' must be an int")
+    if payload["step"] < 0:
+        raise InputError(f"{path}: negative step {payload['step']}")
+    expected_class = OPTIMIZER_CLASSES[config.optim.name]
+    if payload["optimizer_class"] != expected_class:
+        raise InputError(
+            f"{path}: optimizer_class {payload['optimizer_class']!r} does not match optim.name={config.optim.name!r}"
+        )
+    if not isinstance(payload["lr"], float):
+        raise InputError(f"{path}: 'lr' must be a float")
 
 
 def _check_tokens(path: Path, key: str, value: Any, shape: tuple[int, ...], vocab_size: int) -> torch.Tensor:

@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.atomic import atomic_output, atomic_write_text
 from common.errors import InputError
 
 HELD_OUT_FRACTION = 0.1
@@ -285,19 +286,6 @@ def _locked(path: Path) -> Iterator[None]:
         yield
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-
-
 def build_corpus(
     spec: CorpusSpec,
     out: Path,
@@ -327,8 +315,9 @@ def build_corpus(
             **manifest,
         }
         # The corpus first: a manifest on disk then always describes a corpus that is there.
-        _atomic_write(out, data)
-        _atomic_write(out.with_name("manifest.json"), (json.dumps(manifest, indent=1) + "\n").encode())
+        with atomic_output(out) as tmp:
+            tmp.write_bytes(data)
+        atomic_write_text(json.dumps(manifest, indent=1) + "\n", out.with_name("manifest.json"))
     return manifest
 
 

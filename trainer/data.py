@@ -5,9 +5,9 @@ Every source answers two questions:
 - `batch(seed, step, batch_size, seq_len, rank=, world_size=)`: int64
   [batch_size // world_size, seq_len + 1], a pure function of (seed, step) and
   the data. Randomness is drawn for the whole global batch and each rank keeps
-  its contiguous slice of rows, so concatenating the ranks' slices in rank
-  order gives exactly the one-process batch; resume and every rank agree
-  without communication.
+  its contiguous slice of rows (trainer/rng.py), so concatenating the ranks'
+  slices in rank order gives exactly the one-process batch; resume and every
+  rank agree without communication.
 - `eval_tokens(n, seq_len)`: int64 [n, seq_len + 1], a fixed evaluation set
   that depends on the data config alone.
 
@@ -35,7 +35,9 @@ import numpy as np
 import torch
 
 from common.errors import InputError
+from trainer.bios import BiosSource
 from trainer.config import DataConfig
+from trainer.rng import batch_rng, rank_rows
 
 TEXT_HELD_OUT_FRACTION = 0.1
 """Fraction of a text file's bytes (at its end) held out for evaluation."""
@@ -58,23 +60,6 @@ class TokenSource(Protocol):
     def eval_tokens(self, n: int, seq_len: int) -> torch.Tensor:
         """The fixed evaluation set: int64 [n, seq_len + 1]."""
         ...
-
-
-def batch_rng(seed: int, step: int) -> np.random.Generator:
-    """The generator of one global batch: a pure function of (seed, step)."""
-    if seed < 0 or step < 0:
-        raise InputError(f"seed and step must be >= 0, got seed={seed}, step={step}")
-    return np.random.Generator(np.random.PCG64([seed, step]))
-
-
-def rank_rows(batch_size: int, rank: int, world_size: int) -> slice:
-    """The contiguous rows of a global batch that belong to `rank`."""
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise InputError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-    if batch_size < 1 or batch_size % world_size:
-        raise InputError(f"batch_size={batch_size} must be a positive multiple of world_size={world_size}")
-    per_rank = batch_size // world_size
-    return slice(rank * per_rank, (rank + 1) * per_rank)
 
 
 class WindowSource:
@@ -189,6 +174,4 @@ def build_source(data: DataConfig) -> TokenSource:
         return open_bin_source(data.path, data.bin_dtype)
     if data.source == "text":
         return open_text_source(data.path)
-    from trainer.bios import BiosSource  # bios imports this module for the batch helpers
-
     return BiosSource.generate(people=data.bios_people, seed=data.seed)

@@ -1,6 +1,7 @@
 """Evaluate a checkpoint or snapshot at many serving depths: mean token NLL on
 the evaluation set it carries (one `nll_by_depth` pass per minibatch), and for
-the bioS task the recalled bits per person."""
+the bioS task the recalled bits per person (both computed by trainer/scoring.py),
+as a Dataset over `serving_depth`."""
 
 from __future__ import annotations
 
@@ -12,56 +13,10 @@ import numpy as np
 import torch
 import xarray as xr
 
-from common.errors import InputError
-from common.progress import track
 from trainer.checkpoint import load_snapshot
+from trainer.data import build_source
 from trainer.distributed import resolve_device
-from trainer.model import IGNORE_INDEX
-
-MAX_SERVING_DEPTH = 64
-
-
-def parse_depths(spec: str, *, limit: int = MAX_SERVING_DEPTH) -> tuple[int, ...]:
-    """'1-16', '1,2,4,8' or a mix ('1-4,8,16') -> sorted distinct depths in 1..limit."""
-    depths: set[int] = set()
-    for part in spec.split(","):
-        low, dash, high = part.strip().partition("-")
-        try:
-            first, last = int(low), int(high) if dash else int(low)
-        except ValueError:
-            raise InputError(f"depths {spec!r}: expected ranges like 1-16 or lists like 1,2,4,8") from None
-        if not 1 <= first <= last <= limit:
-            raise InputError(f"depths {spec!r}: need 1 <= depth <= {limit} and ranges low-high with low <= high")
-        depths.update(range(first, last + 1))
-    return tuple(sorted(depths))
-
-
-def nll_by_serving_depth(
-    model: torch.nn.Module,
-    tokens: torch.Tensor,
-    depths: Sequence[int],
-    *,
-    batch_size: int = 32,
-    device: str | torch.device = "cpu",
-    progress: bool = False,
-) -> np.ndarray:
-    """Mean token NLL of `tokens` int64 [N, T+1] at each depth, float64 [len(depths)]:
-    minibatch means from `nll_by_depth`, weighted by their counted targets."""
-    total = np.zeros(len(depths), dtype=np.float64)
-    counted = 0
-    starts = range(0, tokens.shape[0], batch_size)
-    with torch.no_grad():
-        for start in track(starts, len(starts), "eval", "batch", enabled=progress):
-            chunk = tokens[start : start + batch_size].to(device)  # [b, T+1]
-            n = int((chunk[:, 1:] != IGNORE_INDEX).sum())
-            if n == 0:
-                continue
-            nll = model.nll_by_depth(chunk[:, :-1], chunk[:, 1:], list(depths))  # [len(depths)]
-            total += nll.double().cpu().numpy() * n
-            counted += n
-    if counted == 0:
-        raise InputError("evaluation set: no counted targets")
-    return total / counted
+from trainer.scoring import mean_nll_by_depth, recall_bits
 
 
 def evaluate_checkpoint(
@@ -78,16 +33,17 @@ def evaluate_checkpoint(
     target = resolve_device(device)
     model = snapshot.model(target).eval()
     depths = tuple(int(s) for s in serving_depths)
-    nll = nll_by_serving_depth(
+    nll = mean_nll_by_depth(
         model, snapshot.eval_tokens, depths, batch_size=batch_size, device=target, progress=progress
     )
     variables = {
-        "nll": (("serving_depth",), nll, {"long_name": "mean token NLL on the evaluation set", "units": "nats"})
+        "nll": (
+            ("serving_depth",),
+            nll.cpu().numpy(),
+            {"long_name": "mean token NLL on the evaluation set", "units": "nats"},
+        )
     }
     if snapshot.config.data.source == "bios":
-        from trainer.bios import recall_bits
-        from trainer.data import build_source
-
         source = build_source(snapshot.config.data)
         bits = recall_bits(model, source, depths, device=target, progress=progress)
         variables["recall_bits"] = (

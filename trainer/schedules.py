@@ -26,9 +26,9 @@ so it rises from 1 at step 0 to `mean` at the end of the warmup fraction and sta
 there (1-sqrt rises slowly at first and steeply near the end of the warmup).
 
 Every schedule's `depth_at(step)` is a pure function of (seed, step, total_updates):
-its randomness comes from a generator seeded with (seed, step, a fixed salt), so a
-resumed run and every distributed rank agree without communication, whatever the
-order of calls. Steps at or beyond total_updates continue the final phase.
+its randomness comes from a generator seeded with (seed, step, a fixed salt)
+(trainer/rng.py), so a resumed run and every distributed rank agree without
+communication, whatever the order of calls. Steps at or beyond total_updates continue the final phase.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import numpy as np
 from scipy import stats
 
 from common.errors import InputError
+from trainer.rng import seeded_generator
 
 DEPTH_SALT = 0x5EED_DE97
 """Third entry of every depth generator's seed: keeps depth draws independent of any
@@ -52,8 +53,8 @@ tau, so 96 nodes are accurate to float precision for sigma up to about 2."""
 
 
 def _generator(seed: int, step: int) -> np.random.Generator:
-    # SeedSequence entries must be non-negative; the modulus keeps negative seeds distinct.
-    return np.random.default_rng([seed % 2**64, step, DEPTH_SALT])
+    # Seed words must be non-negative; the modulus keeps negative seeds distinct.
+    return seeded_generator(seed % 2**64, step, DEPTH_SALT)
 
 
 def _check_step(step: int) -> int:

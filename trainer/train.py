@@ -23,7 +23,7 @@ import contextlib
 import json
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,18 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from common.atomic import atomic_write_text
 from common.errors import InputError
 from common.progress import progress_bar
-from trainer.checkpoint import (
-    atomic_write_text,
-    build_optimizer,
-    load_snapshot,
-    save_checkpoint,
-    save_snapshot,
-    set_rng_state,
-)
+from trainer.checkpoint import Snapshot, load_snapshot, save_checkpoint, save_snapshot
 from trainer.config import OptimConfig, RunConfig
-from trainer.data import build_source
+from trainer.data import TokenSource, build_source
 from trainer.distributed import (
     World,
     all_gather_ints,
@@ -55,7 +49,9 @@ from trainer.distributed import (
 )
 from trainer.flops import update_flops
 from trainer.model import IGNORE_INDEX, LoopedTransformer
-from trainer.schedules import parse_schedule
+from trainer.optim import build_optimizer
+from trainer.rng import set_process_rng_state
+from trainer.schedules import Schedule, parse_schedule
 
 CHECKPOINT_DIR = "checkpoints"
 SNAPSHOT_DIR = "snapshots"
@@ -127,8 +123,9 @@ def training_loss(model: torch.nn.Module, batch: torch.Tensor, depth: int, *, pr
     return loss_sum_of(model, batch, depth, precision=precision) / float(counted_targets(batch))
 
 
-def clip_gradients(params: list[torch.Tensor], grad_clip: float) -> torch.Tensor:
-    """Clip the global gradient norm to `grad_clip` (0: no clipping); returns the norm before clipping."""
+def clip_grad_norm_in_place(params: list[torch.Tensor], grad_clip: float) -> torch.Tensor:
+    """Scale the gradients of `params` in place so their global norm is at most `grad_clip`
+    (0: no clipping); returns the norm before clipping."""
     if grad_clip:
         return torch.nn.utils.clip_grad_norm_(params, grad_clip)
     # The norm clip_grad_norm_ computes, spelled out: torch.nn.utils.get_total_norm needs torch >= 2.6.
@@ -187,7 +184,7 @@ class TrainStep:
             group["lr"] = lr
         loss_sum = loss_sum_of(self.forward, batch, depth, precision=self.precision)
         (loss_sum / (divisor if divisor is not None else counted_targets(batch))).backward()
-        grad_norm = clip_gradients(self.params, self.grad_clip)
+        grad_norm = clip_grad_norm_in_place(self.params, self.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum.detach(), grad_norm.detach()
@@ -217,6 +214,199 @@ class TrainSummary:
     """Snapshots this invocation wrote."""
 
 
+def train(config: RunConfig, out_dir: str | Path, *, resume: bool = False, progress: bool = True) -> TrainSummary:
+    """Train `config` into `out_dir` (see the module docstring); under torchrun each
+    process calls this and rank 0 writes every file. `resume=True` continues from the
+    newest checkpoint in `out_dir` and refuses a config that differs from the stored one.
+
+    metrics.jsonl has a line every log_every updates and at every checkpoint: step (0-based
+    index of the update), depth, loss (token-weighted mean over the updates since the
+    previous line), lr, grad_norm (before clipping), tokens and flops (cumulative, this
+    update included), wall_time (seconds since the run began, time between an interruption
+    and its resume excluded), and under torchrun rank_depths (the depth every rank used at
+    this update)."""
+    run_dir = Path(out_dir)
+    world = init_world(config.train.device)
+    try:
+        run = _set_up(config, run_dir, world, resume=resume)
+        final_loss = _train_updates(run, progress=progress)
+        return _finish(run, final_loss)
+    finally:
+        shutdown_world(world)
+
+
+@dataclass
+class _Run:
+    """A training run set up in this process (fresh or resumed), and what this invocation wrote."""
+
+    config: RunConfig
+    run_dir: Path
+    world: World
+    schedule: Schedule
+    source: TokenSource
+    eval_tokens: torch.Tensor
+    """int64 [E, T+1]: the evaluation set every checkpoint and snapshot carries."""
+    model: LoopedTransformer
+    update: TrainStep
+    """The training step, holding the optimizer."""
+    start: int
+    """Updates done before this invocation: the step it resumed from, 0 for a fresh run."""
+    counters: dict[str, float]
+    """tokens, flops and wall_time over the whole run, resumes included; checkpoints carry them."""
+    snapshot_at: dict[int, int]
+    """Step -> uniform updates, for every snapshot the run writes."""
+    resumed_loss: float
+    """The loss of the last metrics line kept from before `start` (rank 0; NaN when there is none)."""
+    checkpoints: list[str] = field(default_factory=list)
+    """Checkpoints this invocation wrote."""
+    snapshots: list[str] = field(default_factory=list)
+    """Snapshots this invocation wrote."""
+
+    def uniform_updates(self, step: int) -> int:
+        switch = self.schedule.switch_step
+        return 0 if switch is None else step - switch
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether a checkpoint is written after `step` updates (never at the step resumed from)."""
+        tc = self.config.train
+        periodic = tc.checkpoint_every and step % tc.checkpoint_every == 0
+        return step > self.start and bool(periodic or step == tc.updates)
+
+    def write_boundary(self, step: int) -> None:
+        """Snapshot and checkpoint due after `step` updates (rank 0). The snapshot goes
+        first, so a checkpoint on disk implies every snapshot up to its step is too."""
+        if not self.world.is_main:
+            return
+        if step in self.snapshot_at:
+            self._write_snapshot(step)
+        if self.checkpoint_due(step):
+            self._write_checkpoint(step)
+
+    def _write_snapshot(self, step: int) -> None:
+        tc = self.config.train
+        batches = torch.stack(
+            [self.source.batch(tc.seed, step + i, tc.batch_size, tc.seq_len) for i in range(tc.snapshot_batches)]
+        )  # [n, B, T+1]
+        path = self.run_dir / SNAPSHOT_DIR / snapshot_name(self.snapshot_at[step], step)
+        save_snapshot(
+            path,
+            config=self.config,
+            step=step,
+            uniform_updates=self.uniform_updates(step),
+            model=self.model,
+            optimizer=self.update.optimizer,
+            lr=lr_at(step, self.config.optim, tc.updates),
+            batches=batches,
+            eval_tokens=self.eval_tokens,
+        )
+        self.snapshots.append(str(path))
+
+    def _write_checkpoint(self, step: int) -> None:
+        path = self.run_dir / CHECKPOINT_DIR / checkpoint_name(step)
+        save_checkpoint(
+            path,
+            config=self.config,
+            step=step,
+            uniform_updates=self.uniform_updates(step),
+            model=self.model,
+            optimizer=self.update.optimizer,
+            lr=lr_at(step, self.config.optim, self.config.train.updates),
+            eval_tokens=self.eval_tokens,
+            progress=self.counters,
+        )
+        atomic_write_text(path.name + "\n", path.parent / LATEST)
+        self.checkpoints.append(str(path))
+
+
+def _set_up(config: RunConfig, run_dir: Path, world: World, *, resume: bool) -> _Run:
+    """Check the config against the processes and the data; build the model (fresh, or
+    resumed from the newest checkpoint), the training step and its optimizer on this
+    process's device; prepare the run directory."""
+    tc = config.train
+    schedule = _checked_schedule(config, world)
+    source = build_source(config.data)
+    if config.model.vocab_size < source.vocab_size:
+        raise InputError(
+            f"model.vocab_size={config.model.vocab_size} is smaller than the data's vocabulary "
+            f"({source.vocab_size} tokens)"
+        )
+    eval_tokens = source.eval_tokens(config.data.eval_sequences, tc.seq_len)  # [E, T+1]
+    model, checkpoint = _initial_model(config, run_dir, resume=resume)
+    model.to(world.device)
+    # Every parameter takes part at every depth, so DDP needs no unused-parameter search.
+    ddp = (
+        DistributedDataParallel(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
+        if world.distributed
+        else None
+    )
+    update = TrainStep.for_run(model, config, forward=ddp)  # after the move: loaded state follows the parameters
+    if checkpoint is not None:
+        update.optimizer.load_state_dict(checkpoint.optimizer_state)
+    start = checkpoint.step if checkpoint is not None else 0
+    resumed_loss = _prepare_run_dir(config, run_dir, world, keep_metrics_before=start)
+    return _Run(
+        config=config,
+        run_dir=run_dir,
+        world=world,
+        schedule=schedule,
+        source=source,
+        eval_tokens=eval_tokens,
+        model=model,
+        update=update,
+        start=start,
+        counters=dict(checkpoint.progress)
+        if checkpoint is not None
+        else {"tokens": 0.0, "flops": 0.0, "wall_time": 0.0},
+        snapshot_at=_snapshot_steps(schedule, config, world),
+        resumed_loss=resumed_loss,
+    )
+
+
+def _checked_schedule(config: RunConfig, world: World) -> Schedule:
+    """The run's depth schedule, once the batch is known to split over the processes; warns
+    (rank 0) when bf16 would be emulated."""
+    tc = config.train
+    if tc.batch_size % world.world_size:
+        raise InputError(f"train.batch_size={tc.batch_size}: not divisible by the {world.world_size} processes")
+    schedule = parse_schedule(tc.schedule, seed=tc.seed, total_updates=tc.updates)
+    if tc.precision == "bf16" and not native_bf16(world.device) and world.is_main:
+        warnings.warn(
+            f"train.precision='bf16': {world.device} has no native bf16 matmuls, so autocast "
+            "emulates them and runs slower than fp32; consider --set train.precision=fp32",
+            stacklevel=3,
+        )
+    return schedule
+
+
+def _initial_model(config: RunConfig, run_dir: Path, *, resume: bool) -> tuple[LoopedTransformer, Snapshot | None]:
+    """The model on the CPU, initialised from train.seed (so every device starts from the
+    same weights); when resuming, with the weights of the newest checkpoint in `run_dir`
+    (returned too) and the process RNGs restored to its states. A fresh run refuses a
+    directory that holds one; a resume refuses a missing checkpoint or another config."""
+    torch.manual_seed(config.train.seed)
+    model = LoopedTransformer(config.model)
+    checkpoint_path = latest_checkpoint(run_dir)
+    if not resume:
+        if checkpoint_path is not None:
+            raise InputError(
+                f"{run_dir}: already holds a run ({checkpoint_path.name}); resume it or choose another output"
+            )
+        return model, None
+    if checkpoint_path is None:
+        raise InputError(f"{run_dir}: no checkpoint to resume from")
+    checkpoint = load_snapshot(checkpoint_path)
+    differences = _config_differences(checkpoint.config, config)
+    if differences:
+        raise InputError(
+            f"{checkpoint_path}: the run was trained with another config "
+            f"({'; '.join(differences)}); resume with the stored {run_dir / 'config.json'} "
+            "or train into a new directory"
+        )
+    model.load_state_dict(checkpoint.model_state)
+    set_process_rng_state(checkpoint.rng)
+    return model, checkpoint
+
+
 def _config_differences(stored: RunConfig, given: RunConfig) -> list[str]:
     before, after = stored.to_dict(), given.to_dict()
     return [
@@ -225,6 +415,19 @@ def _config_differences(stored: RunConfig, given: RunConfig) -> list[str]:
         for key in before[section]
         if before[section][key] != after[section][key]
     ]
+
+
+def _prepare_run_dir(config: RunConfig, run_dir: Path, world: World, *, keep_metrics_before: int) -> float:
+    """Rank 0 creates the run directory, writes config.json and keeps the metrics lines of
+    the updates before `keep_metrics_before`; every rank waits for it. Returns the last kept
+    loss (NaN when there is none, and on other ranks)."""
+    last_loss = float("nan")
+    if world.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n", run_dir / "config.json")
+        last_loss = _start_metrics(run_dir / "metrics.jsonl", keep_before=keep_metrics_before)
+    barrier(world)
+    return last_loss
 
 
 def _start_metrics(path: Path, keep_before: int) -> float:
@@ -244,155 +447,82 @@ def _start_metrics(path: Path, keep_before: int) -> float:
     return last_loss
 
 
-def train(config: RunConfig, out_dir: str | Path, *, resume: bool = False, progress: bool = True) -> TrainSummary:
-    """Train `config` into `out_dir` (see the module docstring); under torchrun each
-    process calls this and rank 0 writes every file. `resume=True` continues from the
-    newest checkpoint in `out_dir` and refuses a config that differs from the stored one.
-
-    metrics.jsonl has a line every log_every updates and at every checkpoint: step (0-based
-    index of the update), depth, loss (token-weighted mean over the updates since the
-    previous line), lr, grad_norm (before clipping), tokens and flops (cumulative, this
-    update included), wall_time (seconds since the run began, time between an interruption
-    and its resume excluded), and under torchrun rank_depths (the depth every rank used at
-    this update)."""
-    run_dir = Path(out_dir)
-    world = init_world(config.train.device)
-    try:
-        return _train(config, run_dir, world, resume=resume, progress=progress)
-    finally:
-        shutdown_world(world)
-
-
-def _train(config: RunConfig, run_dir: Path, world: World, *, resume: bool, progress: bool) -> TrainSummary:
-    tc = config.train
-    if tc.batch_size % world.world_size:
-        raise InputError(f"train.batch_size={tc.batch_size}: not divisible by the {world.world_size} processes")
-    schedule = parse_schedule(tc.schedule, seed=tc.seed, total_updates=tc.updates)
-    if tc.precision == "bf16" and not native_bf16(world.device) and world.is_main:
-        warnings.warn(
-            f"train.precision='bf16': {world.device} has no native bf16 matmuls, so autocast "
-            "emulates them and runs slower than fp32; consider --set train.precision=fp32",
-            stacklevel=2,
-        )
-    source = build_source(config.data)
-    if config.model.vocab_size < source.vocab_size:
-        raise InputError(
-            f"model.vocab_size={config.model.vocab_size} is smaller than the data's vocabulary "
-            f"({source.vocab_size} tokens)"
-        )
-    eval_tokens = source.eval_tokens(config.data.eval_sequences, tc.seq_len)  # [E, T+1]
-
-    torch.manual_seed(tc.seed)
-    model = LoopedTransformer(config.model)  # initialised on CPU, so every device starts from the same weights
-    start, counters = 0, {"tokens": 0.0, "flops": 0.0, "wall_time": 0.0}
-    checkpoint_path = latest_checkpoint(run_dir)
-    state = None
-    if resume:
-        if checkpoint_path is None:
-            raise InputError(f"{run_dir}: no checkpoint to resume from")
-        state = load_snapshot(checkpoint_path)
-        differences = _config_differences(state.config, config)
-        if differences:
-            raise InputError(
-                f"{checkpoint_path}: the run was trained with another config "
-                f"({'; '.join(differences)}); resume with the stored {run_dir / 'config.json'} "
-                "or train into a new directory"
-            )
-        model.load_state_dict(state.model_state)
-        set_rng_state(state.rng)
-        start, counters = state.step, dict(state.progress)
-    elif checkpoint_path is not None:
-        raise InputError(f"{run_dir}: already holds a run ({checkpoint_path.name}); resume it or choose another output")
-    model.to(world.device)
-    # Every parameter takes part at every depth, so DDP needs no unused-parameter search.
-    ddp = (
-        DistributedDataParallel(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
-        if world.distributed
-        else None
-    )
-    update = TrainStep.for_run(model, config, forward=ddp)  # after the move: loaded state follows the parameters
-    optimizer = update.optimizer
-    if state is not None:
-        optimizer.load_state_dict(state.optimizer_state)
-
-    final_loss = float("nan")  # rank 0 knows it from the kept metrics of a resumed run
-    if world.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n", run_dir / "config.json")
-        final_loss = _start_metrics(run_dir / "metrics.jsonl", keep_before=start)
-    barrier(world)
-
-    switch = schedule.switch_step
-    snapshot_at = (
-        {} if switch is None else {switch + n: n for n in tc.snapshot_uniform_updates if switch + n <= tc.updates}
-    )
-    beyond = [n for n in tc.snapshot_uniform_updates if switch is not None and switch + n > tc.updates]
+def _snapshot_steps(schedule: Schedule, config: RunConfig, world: World) -> dict[int, int]:
+    """Step -> uniform updates of every snapshot the run writes; warns (rank 0) about the
+    requested ones past the end of the run."""
+    tc, switch = config.train, schedule.switch_step
+    if switch is None:
+        return {}
+    beyond = [n for n in tc.snapshot_uniform_updates if switch + n > tc.updates]
     if beyond and world.is_main:
         warnings.warn(
             f"train.snapshot_uniform_updates {beyond}: the run ends {tc.updates - switch} updates "
             "after the switch, so these snapshots are not written",
-            stacklevel=2,
+            stacklevel=3,
         )
-    written_checkpoints: list[str] = []
-    written_snapshots: list[str] = []
+    return {switch + n: n for n in tc.snapshot_uniform_updates if switch + n <= tc.updates}
 
-    def uniform_updates(step: int) -> int:
-        return 0 if switch is None else step - switch
 
-    def checkpoint_due(step: int) -> bool:
-        periodic = tc.checkpoint_every and step % tc.checkpoint_every == 0
-        return step > start and bool(periodic or step == tc.updates)
+class _MetricsLog:
+    """metrics.jsonl (written by rank 0) and the interval behind its next line: the summed
+    loss and counted targets of the updates since the previous line, on this rank."""
 
-    def write_boundary(step: int) -> None:
-        """Snapshot and checkpoint due after `step` updates (rank 0). The snapshot goes
-        first, so a checkpoint on disk implies every snapshot up to its step is too."""
-        if not world.is_main:
+    def __init__(self, path: Path, world: World, *, last_loss: float):
+        self.world = world
+        self.last_loss = last_loss
+        """The loss of the last line, over all ranks."""
+        self.interval_loss = torch.zeros((), dtype=torch.float64, device=world.device)
+        self.interval_tokens = torch.zeros((), dtype=torch.float64, device=world.device)
+        self.file = path.open("a", encoding="utf-8") if world.is_main else None
+
+    def add(self, loss_sum: torch.Tensor, counted: int) -> None:
+        """Count one update: its summed token loss and its counted targets on this rank."""
+        self.interval_loss += loss_sum.to(torch.float64)
+        self.interval_tokens += counted
+
+    def write(self, *, step: int, depth: int, lr: float, grad_norm: torch.Tensor, counters: dict[str, float]) -> None:
+        """Close the interval with a line for update `step` (every rank takes part: the loss
+        is the token-weighted mean over all ranks)."""
+        totals = all_reduce_sum(self.world, torch.stack((self.interval_loss, self.interval_tokens)))
+        self.last_loss = float(totals[0] / totals[1])
+        depths = all_gather_ints(self.world, depth)
+        self.interval_loss.zero_()
+        self.interval_tokens.zero_()
+        if self.file is None:
             return
-        next_lr = lr_at(step, config.optim, tc.updates)
-        if step in snapshot_at:
-            batches = torch.stack(
-                [source.batch(tc.seed, step + i, tc.batch_size, tc.seq_len) for i in range(tc.snapshot_batches)]
-            )  # [n, B, T+1]
-            path = run_dir / SNAPSHOT_DIR / snapshot_name(snapshot_at[step], step)
-            save_snapshot(
-                path,
-                config=config,
-                step=step,
-                uniform_updates=uniform_updates(step),
-                model=model,
-                optimizer=optimizer,
-                lr=next_lr,
-                batches=batches,
-                eval_tokens=eval_tokens,
-            )
-            written_snapshots.append(str(path))
-        if checkpoint_due(step):
-            path = run_dir / CHECKPOINT_DIR / checkpoint_name(step)
-            save_checkpoint(
-                path,
-                config=config,
-                step=step,
-                uniform_updates=uniform_updates(step),
-                model=model,
-                optimizer=optimizer,
-                lr=next_lr,
-                eval_tokens=eval_tokens,
-                progress=counters,
-            )
-            atomic_write_text(path.name + "\n", path.parent / LATEST)
-            written_checkpoints.append(str(path))
+        record: dict[str, Any] = {
+            "step": step,
+            "depth": depth,
+            "loss": self.last_loss,
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "tokens": int(counters["tokens"]),
+            "flops": counters["flops"],
+            "wall_time": counters["wall_time"],
+        }
+        if self.world.distributed:
+            record["rank_depths"] = depths
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
 
-    interval_loss = torch.zeros((), dtype=torch.float64, device=world.device)
-    interval_tokens = torch.zeros((), dtype=torch.float64, device=world.device)
-    metrics = (run_dir / "metrics.jsonl").open("a", encoding="utf-8") if world.is_main else None
-    bar = progress_bar(tc.updates, f"train {run_dir}", "upd", initial=start, enabled=progress and world.is_main)
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def _train_updates(run: _Run, *, progress: bool) -> float:
+    """Take the updates from run.start to train.updates, logging metrics and writing the
+    snapshots and checkpoints due after each; returns the loss of the last logged interval."""
+    tc, world = run.config.train, run.world
+    log = _MetricsLog(run.run_dir / "metrics.jsonl", world, last_loss=run.resumed_loss)
+    bar = progress_bar(tc.updates, f"train {run.run_dir}", "upd", initial=run.start, enabled=progress and world.is_main)
     try:
-        write_boundary(start)
-        session_began, wall_time_before = time.perf_counter(), counters["wall_time"]
-        for step in range(start, tc.updates):
-            depth = schedule.depth_at(step)
-            lr = lr_at(step, config.optim, tc.updates)
-            batch = source.batch(
+        run.write_boundary(run.start)
+        session_began, wall_time_before = time.perf_counter(), run.counters["wall_time"]
+        for step in range(run.start, tc.updates):
+            depth = run.schedule.depth_at(step)
+            lr = lr_at(step, run.config.optim, tc.updates)
+            batch = run.source.batch(
                 tc.seed, step, tc.batch_size, tc.seq_len, rank=world.rank, world_size=world.world_size
             )  # [B/world, T+1], on the CPU
             # The mean over the global batch's counted tokens. DDP averages gradients over ranks,
@@ -400,58 +530,42 @@ def _train(config: RunConfig, run_dir: Path, world: World, *, resume: bool, prog
             # exactly `training_loss`.
             local_count = counted_targets(batch)
             count = all_reduce_int(world, local_count)
-            loss_sum, grad_norm = update(batch.to(world.device), depth, lr, divisor=count / world.world_size)
+            loss_sum, grad_norm = run.update(batch.to(world.device), depth, lr, divisor=count / world.world_size)
 
-            interval_loss += loss_sum.to(torch.float64)
-            interval_tokens += local_count
-            counters["tokens"] += tc.batch_size * tc.seq_len
-            counters["flops"] += update_flops(config.model, depth, batch_size=tc.batch_size, seq_len=tc.seq_len)
-            counters["wall_time"] = wall_time_before + time.perf_counter() - session_began
+            log.add(loss_sum, local_count)
+            run.counters["tokens"] += tc.batch_size * tc.seq_len
+            run.counters["flops"] += update_flops(run.config.model, depth, batch_size=tc.batch_size, seq_len=tc.seq_len)
+            run.counters["wall_time"] = wall_time_before + time.perf_counter() - session_began
             done = step + 1
             # A line at every checkpoint too: the interval is then empty at any resume point,
             # so a resumed run logs exactly the losses of an uninterrupted one.
-            if done % tc.log_every == 0 or checkpoint_due(done):
-                totals = all_reduce_sum(world, torch.stack((interval_loss, interval_tokens)))
-                final_loss = float(totals[0] / totals[1])
-                depths = all_gather_ints(world, depth)
-                interval_loss.zero_()
-                interval_tokens.zero_()
-                if metrics is not None:
-                    record: dict[str, Any] = {
-                        "step": step,
-                        "depth": depth,
-                        "loss": final_loss,
-                        "lr": lr,
-                        "grad_norm": float(grad_norm),
-                        "tokens": int(counters["tokens"]),
-                        "flops": counters["flops"],
-                        "wall_time": counters["wall_time"],
-                    }
-                    if world.distributed:
-                        record["rank_depths"] = depths
-                    metrics.write(json.dumps(record) + "\n")
-                    metrics.flush()
-            bar.set_postfix(depth=depth, loss=f"{final_loss:.4f}", refresh=False)  # the last logged interval's
+            if done % tc.log_every == 0 or run.checkpoint_due(done):
+                log.write(step=step, depth=depth, lr=lr, grad_norm=grad_norm, counters=run.counters)
+            bar.set_postfix(depth=depth, loss=f"{log.last_loss:.4f}", refresh=False)  # the last logged interval's
             bar.update(1)
-            write_boundary(done)
+            run.write_boundary(done)
     finally:
         bar.close()
-        if metrics is not None:
-            metrics.close()
+        log.close()
+    return log.last_loss
+
+
+def _finish(run: _Run, final_loss: float) -> TrainSummary:
+    """The run's summary, written to summary.json by rank 0."""
     summary = TrainSummary(
-        run_dir=str(run_dir),
-        updates=tc.updates,
-        resumed_from=start,
+        run_dir=str(run.run_dir),
+        updates=run.config.train.updates,
+        resumed_from=run.start,
         final_loss=final_loss,
-        tokens=int(counters["tokens"]),
-        flops=counters["flops"],
-        wall_time=counters["wall_time"],
-        checkpoints=tuple(written_checkpoints),
-        snapshots=tuple(written_snapshots),
+        tokens=int(run.counters["tokens"]),
+        flops=run.counters["flops"],
+        wall_time=run.counters["wall_time"],
+        checkpoints=tuple(run.checkpoints),
+        snapshots=tuple(run.snapshots),
     )
-    if world.is_main:
-        atomic_write_text(json.dumps(asdict(summary), indent=2) + "\n", run_dir / "summary.json")
-    barrier(world)
+    if run.world.is_main:
+        atomic_write_text(json.dumps(asdict(summary), indent=2) + "\n", run.run_dir / "summary.json")
+    barrier(run.world)
     return summary
 
 
