@@ -79,8 +79,12 @@ def write_dataset(ds: xr.Dataset, path: str | os.PathLike) -> None:
         variable.encoding = {}
         if name in ds.data_vars and np.issubdtype(variable.dtype, np.number):
             encoding[name] = dict(COMPRESSION)
-    with atomic_output(path) as tmp:
-        ds.to_netcdf(tmp, engine=ENGINE, encoding=encoding)
+    # HDF5 builds the file in memory and Python writes the bytes: a write that fails on
+    # disk (full, or over a file-size limit) is then a plain OSError, where HDF5 writing to
+    # the file itself crashed the interpreter when it closed the failed file.
+    data = ds.to_netcdf(engine=ENGINE, encoding=encoding)
+    with atomic_output(path) as tmp, open(tmp, "wb") as handle:
+        handle.write(data)
 
 
 def _fail(source, problem: str) -> InputError:

@@ -33,11 +33,17 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
-        yield tmp
-        # The data must be on disk before the rename makes it visible under the real name.
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        try:
+            yield tmp
+            # The data must be on disk before the rename makes it visible under the real name.
+            with open(tmp, "rb") as handle:
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        except OSError as err:
+            if err.filename not in (None, tmp_name):
+                raise
+            # Name the file the user asked for, not the temporary one.
+            raise OSError(err.errno, err.strerror or str(err).splitlines()[0], str(path)) from None
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 def _os_error_line(err: OSError) -> str:
     """'PATH: reason' for an OS error, on one line (some libraries put several in theirs)."""
-    reason = os.strerror(err.errno) if err.errno else str(err).splitlines()[0]
+    reason = err.strerror or (os.strerror(err.errno) if err.errno else str(err).splitlines()[0])
     return f"{err.filename}: {reason}" if err.filename else reason
 
 

@@ -1,5 +1,8 @@
 """What every command shares: exit codes and one-line errors (DESIGN section 1)."""
 
+from pathlib import Path
+
+import pytest
 from click.testing import CliRunner
 
 from common.errors import InputError
@@ -32,3 +35,48 @@ def test_an_output_under_a_regular_file_is_one_line_and_exit_2(tmp_path):
     code, out, err = run("train", "configs/tiny.toml", "--out", str(blocker / "run"), "--no-progress")
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and str(blocker) in err and "Traceback" not in err
+
+
+def run_limited(*args, max_file_bytes: int, cwd):
+    """`depthdiag ARGS` in a subprocess whose files may not grow past `max_file_bytes`."""
+    import resource
+    import subprocess
+    import sys
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
+
+    return subprocess.run(
+        [sys.executable, "-m", "diag.cli", *args], cwd=cwd, preexec_fn=limit, capture_output=True, text=True
+    )
+
+
+@pytest.fixture(scope="module")
+def toy_run(tmp_path_factory):
+    from test_pipeline import TOY
+
+    directory = tmp_path_factory.mktemp("toy")
+    (directory / "toy.toml").write_text(TOY)
+    code, _, err = run("train", str(directory / "toy.toml"), "--out", str(directory / "run"), "--no-progress")
+    assert code == 0, err
+    return directory
+
+
+def test_diagnose_over_a_file_size_limit_is_one_line_and_exit_2(toy_run, tmp_path):
+    snapshot = sorted((toy_run / "run" / "snapshots").glob("*.pt"))[0]
+    out = tmp_path / "results.h5"
+    args = ["diagnose", str(snapshot), "--out", str(out), "--batches", "1", "--update-depths", "2,8"]
+    result = run_limited(*args, "--serving", "1-8", "--no-progress", max_file_bytes=20_000, cwd=Path.cwd())
+    assert result.returncode == 2, result.stderr  # it was a segmentation fault (139) in HDF5's close
+    error_lines = [line for line in result.stderr.splitlines() if not line.startswith("warning:")]
+    assert len(error_lines) == 1 and "File too large" in error_lines[0] and str(tmp_path) in error_lines[0]
+    assert not out.exists() and not [p for p in tmp_path.rglob("*") if ".tmp" in p.name]
+
+
+def test_training_over_a_file_size_limit_fails_the_run_with_exit_3(toy_run, tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["train", str(toy_run / "toy.toml"), "--out", str(run_dir), "--no-progress"]
+    result = run_limited(*args, max_file_bytes=20_000, cwd=Path.cwd())
+    assert result.returncode == 3, result.stderr
+    assert result.stderr.count("\n") == 1 and "File too large" in result.stderr and "step " in result.stderr
+    assert not [p for p in run_dir.rglob("*") if ".tmp" in p.name]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.errors import InputError
+from common.errors import InputError, RunFailed
 from trainer.checkpoint import load_snapshot
 from trainer.config import OptimConfig, RunConfig
 from trainer.flops import update_flops
@@ -298,3 +298,51 @@ def test_snapshots_past_the_end_are_reported_not_written(tmp_path):
     with pytest.warns(UserWarning, match=r"\[5\]: the run ends 4 updates after the switch"):
         summary = train(config, tmp_path / "run", progress=False)
     assert [Path(p).name for p in summary.snapshots] == ["u0000_step000004.pt", "u0004_step000008.pt"]
+
+
+# --- failures -----------------------------------------------------------------------------
+
+
+def every_tensor_is_finite(value) -> bool:
+    if torch.is_tensor(value):
+        return not value.is_floating_point() or bool(torch.isfinite(value).all())
+    if isinstance(value, dict):
+        return all(every_tensor_is_finite(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(every_tensor_is_finite(v) for v in value)
+    return True
+
+
+def test_divergence_fails_the_run_before_anything_non_finite_is_written(tmp_path):
+    # lr 1e3 reaches a non-finite loss within a few updates; log lines come every 5
+    # updates, so the failure is found between two of them, not at the update itself.
+    config = tiny_config(text_corpus(tmp_path), checkpoint_every=2, log_every=5, updates=40).with_overrides(
+        ["optim.lr=1e3", "optim.warmup=0"]
+    )
+    run_dir = tmp_path / "run"
+    with pytest.raises(RunFailed) as err:
+        train(config, run_dir, progress=False)
+    message = str(err.value)
+    assert "not finite" in message and str(run_dir) in message and "\n" not in message
+    written = sorted((run_dir / "checkpoints").glob("*.pt")) + sorted((run_dir / "snapshots").glob("*.pt"))
+    for path in written:
+        state = torch.load(path, weights_only=True)
+        assert every_tensor_is_finite(state["model"]) and every_tensor_is_finite(state["optimizer"]), path
+    newest = latest_checkpoint(run_dir)
+    assert (f"resume from {newest}" in message) if newest else ("no checkpoint" in message)
+    failed_at = int(message.split("step ")[1].split(":")[0])
+    assert all(np.isfinite(line["loss"]) for line in read_metrics(run_dir))
+    assert not (run_dir / "summary.json").exists()
+    assert newest is None or load_snapshot(newest).step <= failed_at
+
+
+def test_a_failed_checkpoint_write_fails_the_run_naming_the_file(tmp_path, monkeypatch):
+    import trainer.train as train_module
+
+    def full_disk(path, **kwargs):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(train_module, "save_checkpoint", full_disk)
+    run_dir = tmp_path / "run"
+    with pytest.raises(RunFailed, match="step 4: writing .*step_000004.pt failed \\(No space left on device\\)"):
+        train(tiny_config(text_corpus(tmp_path)), run_dir, progress=False)

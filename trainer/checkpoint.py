@@ -13,6 +13,7 @@ half-written file under the final name.
 from __future__ import annotations
 
 import hashlib
+import io
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,14 +45,39 @@ SNAPSHOT_KEYS = COMMON_KEYS + ("batches",)
 CHECKPOINT_KEYS = COMMON_KEYS + ("rng", "progress")
 
 
+class _WholeWrites(io.FileIO):
+    """An unbuffered file whose write() writes all it is given or raises, and keeps the OS
+    error: torch.save reports a failed write (a full disk, a file-size limit) only as a
+    RuntimeError about the archive's position, so the cause is read back from here."""
+
+    error: OSError | None = None
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        done = 0
+        try:
+            while done < len(view):
+                done += super().write(view[done:])
+        except OSError as err:
+            self.error = err
+            raise
+        return done
+
+
 def atomic_torch_save(payload: dict[str, Any], path: str | Path) -> Path:
-    """`torch.save(payload)` to `path` atomically (common/atomic.py), its directory created if need be."""
+    """`torch.save(payload)` to `path` atomically (common/atomic.py), its directory created if
+    need be. A failed write raises the OSError behind it, naming `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_output(path) as tmp, open(tmp, "wb") as handle:
+    with atomic_output(path) as tmp, _WholeWrites(tmp, "wb") as handle:
         # Saved through a handle, not a file name: torch names the archive's top folder
         # after a file name, which would put the temporary name into the bytes.
-        torch.save(payload, handle)
+        try:
+            torch.save(payload, handle)
+        except RuntimeError:
+            if handle.error is None:
+                raise
+            raise OSError(handle.error.errno, handle.error.strerror, str(path)) from None
     return path
 
 

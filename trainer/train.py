@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from common.atomic import atomic_write_text
-from common.errors import InputError
+from common.errors import InputError, RunFailed
 from common.progress import progress_bar
 from trainer.checkpoint import Snapshot, load_snapshot, save_checkpoint, save_snapshot
 from trainer.config import OptimConfig, RunConfig
@@ -257,6 +257,8 @@ class _Run:
     """Step -> uniform updates, for every snapshot the run writes."""
     resumed_loss: float
     """The loss of the last metrics line kept from before `start` (rank 0; NaN when there is none)."""
+    last_checkpoint: Path | None
+    """The newest checkpoint on disk: where a failed run can resume from."""
     checkpoints: list[str] = field(default_factory=list)
     """Checkpoints this invocation wrote."""
     snapshots: list[str] = field(default_factory=list)
@@ -272,15 +274,29 @@ class _Run:
         periodic = tc.checkpoint_every and step % tc.checkpoint_every == 0
         return step > self.start and bool(periodic or step == tc.updates)
 
+    def boundary_due(self, step: int) -> bool:
+        """Whether a snapshot or a checkpoint is written after `step` updates."""
+        return step in self.snapshot_at or self.checkpoint_due(step)
+
     def write_boundary(self, step: int) -> None:
         """Snapshot and checkpoint due after `step` updates (rank 0). The snapshot goes
-        first, so a checkpoint on disk implies every snapshot up to its step is too."""
+        first, so a checkpoint on disk implies every snapshot up to its step is too. A
+        write the file system refuses (full, read-only, over a size limit) fails the run."""
         if not self.world.is_main:
             return
-        if step in self.snapshot_at:
-            self._write_snapshot(step)
-        if self.checkpoint_due(step):
-            self._write_checkpoint(step)
+        try:
+            if step in self.snapshot_at:
+                self._write_snapshot(step)
+            if self.checkpoint_due(step):
+                self._write_checkpoint(step)
+        except OSError as err:
+            reason = err.strerror or str(err).splitlines()[0]
+            raise self.failed(step, f"writing {err.filename or self.run_dir} failed ({reason})") from None
+
+    def failed(self, step: int, problem: str) -> RunFailed:
+        """The error that ends the run at `step`, naming where to resume from."""
+        resume = f"resume from {self.last_checkpoint}" if self.last_checkpoint else "no checkpoint was written yet"
+        return RunFailed(f"{self.run_dir}: step {step}: {problem}; {resume}")
 
     def _write_snapshot(self, step: int) -> None:
         tc = self.config.train
@@ -316,6 +332,7 @@ class _Run:
         )
         atomic_write_text(path.name + "\n", path.parent / LATEST)
         self.checkpoints.append(str(path))
+        self.last_checkpoint = path
 
 
 def _set_up(config: RunConfig, run_dir: Path, world: World, *, resume: bool) -> _Run:
@@ -359,6 +376,7 @@ def _set_up(config: RunConfig, run_dir: Path, world: World, *, resume: bool) -> 
         else {"tokens": 0.0, "flops": 0.0, "wall_time": 0.0},
         snapshot_at=_snapshot_steps(schedule, config, world),
         resumed_loss=resumed_loss,
+        last_checkpoint=latest_checkpoint(run_dir) if checkpoint is not None else None,
     )
 
 
@@ -510,11 +528,35 @@ class _MetricsLog:
             self.file.close()
 
 
+class _DivergenceWatch:
+    """The first update whose loss or gradient norm was not finite. Kept on the device, so
+    watching costs no host sync per update; read at every metrics line and before every
+    write, so a non-finite model never reaches a checkpoint or a snapshot."""
+
+    def __init__(self, world: World):
+        self.world = world
+        self.first = torch.full((), -1, dtype=torch.int64, device=world.device)
+
+    def observe(self, step: int, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        diverged = ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
+        self.first = torch.where(diverged & (self.first < 0), step, self.first)
+
+    def check(self, run: _Run) -> None:
+        """Raise RunFailed naming the first non-finite update (the earliest over all ranks)."""
+        steps = [step for step in all_gather_ints(self.world, int(self.first)) if step >= 0]
+        if steps:
+            raise run.failed(
+                min(steps),
+                "the loss or the gradient norm is not finite (diverged: lower optim.lr or raise optim.warmup)",
+            )
+
+
 def _train_updates(run: _Run, *, progress: bool) -> float:
     """Take the updates from run.start to train.updates, logging metrics and writing the
     snapshots and checkpoints due after each; returns the loss of the last logged interval."""
     tc, world = run.config.train, run.world
     log = _MetricsLog(run.run_dir / "metrics.jsonl", world, last_loss=run.resumed_loss)
+    watch = _DivergenceWatch(world)
     bar = progress_bar(tc.updates, f"train {run.run_dir}", "upd", initial=run.start, enabled=progress and world.is_main)
     try:
         run.write_boundary(run.start)
@@ -532,6 +574,7 @@ def _train_updates(run: _Run, *, progress: bool) -> float:
             count = all_reduce_int(world, local_count)
             loss_sum, grad_norm = run.update(batch.to(world.device), depth, lr, divisor=count / world.world_size)
 
+            watch.observe(step, loss_sum, grad_norm)
             log.add(loss_sum, local_count)
             run.counters["tokens"] += tc.batch_size * tc.seq_len
             run.counters["flops"] += update_flops(run.config.model, depth, batch_size=tc.batch_size, seq_len=tc.seq_len)
@@ -539,6 +582,8 @@ def _train_updates(run: _Run, *, progress: bool) -> float:
             done = step + 1
             # A line at every checkpoint too: the interval is then empty at any resume point,
             # so a resumed run logs exactly the losses of an uninterrupted one.
+            if done % tc.log_every == 0 or run.boundary_due(done):
+                watch.check(run)
             if done % tc.log_every == 0 or run.checkpoint_due(done):
                 log.write(step=step, depth=depth, lr=lr, grad_norm=grad_norm, counters=run.counters)
             bar.set_postfix(depth=depth, loss=f"{log.last_loss:.4f}", refresh=False)  # the last logged interval's
