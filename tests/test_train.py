@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -209,6 +211,57 @@ def test_fresh_run_into_an_existing_run_is_refused(tmp_path):
         train(config, tmp_path / "run", progress=False)
     with pytest.raises(InputError, match="no checkpoint to resume"):
         train(config, tmp_path / "empty", resume=True, progress=False)
+
+
+HOLD_LOCK = """
+import sys, time
+from common.lock import exclusive_output
+with exclusive_output(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+def tree_state(directory: Path) -> dict[Path, tuple[int, bytes | None]]:
+    """Every path under `directory` with its mtime and, for files, its bytes."""
+    return {p: (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None) for p in directory.rglob("*")}
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_second_train_into_a_run_directory_in_use_is_refused_and_changes_nothing(tmp_path, resume):
+    from click.testing import CliRunner
+
+    from diag.cli import main
+
+    corpus = text_corpus(tmp_path)
+    config_file = tmp_path / "tiny.toml"
+    config_file.write_text(
+        "[model]\nvocab_size = 256\nmax_seq_len = 16\nd_model = 32\nn_heads = 2\n"
+        f'[data]\nsource = "text"\npath = "{corpus}"\neval_sequences = 2\n'
+        '[train]\nschedule = "fixed:2"\nupdates = 3\nbatch_size = 4\nseq_len = 16\ndevice = "cpu"\n'
+    )
+    run_dir = tmp_path / "run"
+    runner = CliRunner()
+    if resume:
+        assert runner.invoke(main, ["train", str(config_file), "--out", str(run_dir), "--no-progress"]).exit_code == 0
+    # Another process (a running `depthdiag train`, say) holds the run directory.
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(run_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = tree_state(tmp_path)
+        where = ["--resume", str(run_dir)] if resume else ["--out", str(run_dir)]
+        result = runner.invoke(main, ["train", str(config_file), *where, "--no-progress"])
+        assert result.exit_code == 2, result.output
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and str(run_dir) in lines[0] and f"pid {holder.pid}" in lines[0], result.stderr
+        assert tree_state(tmp_path) == before
+        assert run_dir.exists() == resume
+    finally:
+        holder.kill()
+        holder.wait()
+    # Once the holder is gone (killed: its lock file stays behind), the directory is free again.
+    result = runner.invoke(main, ["train", str(config_file), *where, "--no-progress"])
+    assert result.exit_code == 0, result.output
 
 
 def test_vocabulary_larger_than_the_model_is_refused(tmp_path):

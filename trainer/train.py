@@ -13,6 +13,9 @@ A run directory holds:
     snapshots/uNNNN_stepXXXXXX.pt  diagnostic inputs NNNN updates after the switch
     summary.json                   written when the run finishes
 
+While a run writes it, `.DIR.lock` beside the directory (common/lock.py) keeps a second
+run out of it.
+
 Run it with `depthdiag train CONFIG` or, distributed,
 `torchrun --nproc_per_node=N -m diag.cli train CONFIG [--out DIR] [--set k=v] [--resume DIR]`.
 """
@@ -23,6 +26,7 @@ import contextlib
 import json
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from common.atomic import atomic_write_text
 from common.errors import InputError, RunFailed
+from common.lock import exclusive_output
 from common.progress import progress_bar
 from trainer.checkpoint import Snapshot, load_snapshot, save_checkpoint, save_snapshot
 from trainer.config import OptimConfig, RunConfig
@@ -224,15 +229,40 @@ def train(config: RunConfig, out_dir: str | Path, *, resume: bool = False, progr
     previous line), lr, grad_norm (before clipping), tokens and flops (cumulative, this
     update included), wall_time (seconds since the run began, time between an interruption
     and its resume excluded), and under torchrun rank_depths (the depth every rank used at
-    this update)."""
+    this update).
+
+    The run directory is exclusive: rank 0 holds its lock (common/lock.py) from before
+    anything in it is read until the run ends, and a second `train` into it, fresh or
+    resumed, is refused with InputError naming the holder's pid before it changes anything."""
     run_dir = Path(out_dir)
     world = init_world(config.train.device)
     try:
-        run = _set_up(config, run_dir, world, resume=resume)
-        final_loss = _train_updates(run, progress=progress)
-        return _finish(run, final_loss)
+        with _run_dir_lock(run_dir, world):
+            run = _set_up(config, run_dir, world, resume=resume)
+            final_loss = _train_updates(run, progress=progress)
+            return _finish(run, final_loss)
     finally:
         shutdown_world(world)
+
+
+@contextlib.contextmanager
+def _run_dir_lock(run_dir: Path, world: World) -> Iterator[None]:
+    """Hold the run directory's lock (rank 0) for the block. Every rank learns whether rank 0
+    got it before any other collective, so under torchrun a refusal ends every rank with
+    the same InputError instead of leaving the others waiting at a barrier."""
+    with contextlib.ExitStack() as stack:
+        refusal = None
+        if world.is_main:
+            try:
+                stack.enter_context(exclusive_output(run_dir))
+            except InputError as err:
+                refusal = err
+        refused = all_gather_ints(world, int(refusal is not None))[0]
+        if refusal is not None:
+            raise refusal
+        if refused:
+            raise InputError(f"{run_dir}: in use by another depthdiag process (rank 0 could not take its lock)")
+        yield
 
 
 @dataclass
