@@ -264,6 +264,38 @@ def test_a_second_train_into_a_run_directory_in_use_is_refused_and_changes_nothi
     assert result.exit_code == 0, result.output
 
 
+KILLED_WRITER = """
+import os, signal, sys
+from common.atomic import atomic_output
+writes = [atomic_output(target) for target in sys.argv[1:]]
+for write in writes:
+    write.__enter__()  # the temporary file is made; the write never ends
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_run_removes_the_temporary_files_a_killed_run_left_behind(tmp_path):
+    config = tiny_config(text_corpus(tmp_path), updates=4, snapshot_uniform_updates=[0])
+    run = tmp_path / "run"
+    train(config, run, progress=False)
+    # A run killed with kill -9 inside its atomic writes leaves their hidden temporaries.
+    targets = [run / "checkpoints/step_000005.pt", run / "checkpoints/latest", run / "snapshots/u0001_step000003.pt"]
+    targets.append(run / "config.json")
+    killed = subprocess.run([sys.executable, "-c", KILLED_WRITER, *map(str, targets)])
+    assert killed.returncode == -9
+    left = sorted(run.rglob(".*.tmp*"))
+    assert len(left) == 4 and all(p.stat().st_size == 0 for p in left)
+    others = [run / ".notes", run / "checkpoints/.keep", run / "snapshots/mine.tmp.pt"]
+    for path in others:
+        path.write_text("not ours")
+    before = {p.name for p in run.rglob("*")} - {p.name for p in left}
+
+    train(config, run, resume=True, progress=False)
+    assert sorted(run.rglob(".*.tmp*")) == []
+    assert {p.name for p in run.rglob("*")} == before
+    assert all(p.read_text() == "not ours" for p in others)
+
+
 def test_vocabulary_larger_than_the_model_is_refused(tmp_path):
     config = tiny_config(text_corpus(tmp_path)).with_overrides(["model.vocab_size=100"])
     with pytest.raises(InputError, match="model.vocab_size=100"):

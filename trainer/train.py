@@ -466,16 +466,32 @@ def _config_differences(stored: RunConfig, given: RunConfig) -> list[str]:
 
 
 def _prepare_run_dir(config: RunConfig, run_dir: Path, world: World, *, keep_metrics_before: int) -> float:
-    """Rank 0 creates the run directory, writes config.json and keeps the metrics lines of
-    the updates before `keep_metrics_before`; every rank waits for it. Returns the last kept
-    loss (NaN when there is none, and on other ranks)."""
+    """Rank 0 creates the run directory, removes the temporary files of writes a killed run
+    left behind, writes config.json and keeps the metrics lines of the updates before
+    `keep_metrics_before`; every rank waits for it. Returns the last kept loss (NaN when
+    there is none, and on other ranks)."""
     last_loss = float("nan")
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(run_dir)
         atomic_write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n", run_dir / "config.json")
         last_loss = _start_metrics(run_dir / "metrics.jsonl", keep_before=keep_metrics_before)
     barrier(world)
     return last_loss
+
+
+def remove_stale_temporaries(run_dir: Path) -> list[Path]:
+    """Remove the temporary files of atomic writes (common/atomic.py: `.NAME.XXXX.tmp...`) in
+    `run_dir`, its checkpoints/ and its snapshots/, which a killed run (kill -9, power loss)
+    leaves behind; returns them. Only for the holder of the run directory's lock: no other
+    writer can then be alive to own one. Other files, dotfiles included, are left alone."""
+    removed = []
+    for directory in (run_dir, run_dir / CHECKPOINT_DIR, run_dir / SNAPSHOT_DIR):
+        for path in sorted(directory.glob(".*.tmp*")):
+            if path.is_file() and not path.is_symlink():
+                path.unlink(missing_ok=True)
+                removed.append(path)
+    return removed
 
 
 def _start_metrics(path: Path, keep_before: int) -> float:
