@@ -6,6 +6,7 @@ import hashlib
 import json
 import pickle
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -292,3 +293,174 @@ def test_eval_reports_bios_recall_per_serving_depth(tmp_path):
     snapshot = load_snapshot(checkpoint)
     expected = recall_bits(snapshot.model(), build_source(config.data), [1, 3])
     assert list(ds["recall_bits"].values) == [expected[1], expected[3]]
+
+
+# --- bad values inside well-formed files --------------------------------------------------
+
+
+def edited(source: Path, target: Path, edit) -> Path:
+    """`source` loaded, changed in place by `edit(payload)`, saved to `target`."""
+    payload = torch.load(source, weights_only=True)
+    edit(payload)
+    torch.save(payload, target)
+    return target
+
+
+def _set(*keys_and_value):
+    """An edit that sets payload[k1][k2]...[kn] = value (a callable value gets the old one)."""
+    *keys, value = keys_and_value
+
+    def edit(payload):
+        holder = payload
+        for key in keys[:-1]:
+            holder = holder[key]
+        holder[keys[-1]] = value(holder[keys[-1]]) if callable(value) else value
+
+    return edit
+
+
+def _poison(tensor: torch.Tensor, value: float) -> torch.Tensor:
+    tensor = tensor.clone()
+    tensor.view(-1)[tensor.numel() // 2] = value
+    return tensor
+
+
+def _drop(*keys):
+    def edit(payload):
+        holder = payload
+        for key in keys[:-1]:
+            holder = holder[key]
+        del holder[keys[-1]]
+
+    return edit
+
+
+SNAPSHOT_EDITS = {
+    "nan weight": (_set("model", "embed.weight", lambda t: _poison(t, float("nan"))), "embed.weight holds non-finite"),
+    "inf gain": (
+        _set("model", "final_norm.weight", lambda t: _poison(t, float("inf"))),
+        "final_norm.weight holds non-finite",
+    ),
+    "int weights": (_set("model", "embed.weight", lambda t: t.to(torch.int64)), "embed.weight is torch.int64"),
+    "fp16 weights": (_set("model", "embed.weight", lambda t: t.half()), "embed.weight is torch.float16"),
+    "exp_avg shape": (_set("optimizer", "state", 0, "exp_avg", torch.zeros(3)), "exp_avg has shape [3]"),
+    "exp_avg_sq ints": (
+        _set("optimizer", "state", 0, "exp_avg_sq", lambda t: t.to(torch.int64)),
+        "exp_avg_sq is torch.int64",
+    ),
+    "nan exp_avg": (
+        _set("optimizer", "state", 1, "exp_avg", lambda t: _poison(t, float("nan"))),
+        "exp_avg holds non-finite",
+    ),
+    "negative step": (_set("optimizer", "state", 0, "step", torch.tensor(-1.0)), "step must be a finite number"),
+    "nan step": (_set("optimizer", "state", 0, "step", torch.tensor(float("nan"))), "step must be a finite number"),
+    "missing moment": (_drop("optimizer", "state", 0, "exp_avg_sq"), "lacks exp_avg_sq"),
+    "unknown parameter": (_set("optimizer", "state", 999, {"step": torch.tensor(1.0)}), "unknown parameter 999"),
+    "group without its params": (
+        _set("optimizer", "param_groups", 0, "params", [0, 1]),
+        "param group 0 does not hold",
+    ),
+    "nan lr": (_set("lr", float("nan")), "'lr' is nan"),
+    "negative lr": (_set("lr", -1e-3), "'lr' is -0.001"),
+    "zero lr": (_set("lr", 0.0), "must be finite and > 0"),
+    "inf group lr": (_set("optimizer", "param_groups", 0, "lr", float("inf")), "param group 0 lr is inf"),
+    "nan eps": (_set("optimizer", "param_groups", 1, "eps", float("nan")), "param group 1 eps=nan"),
+}
+
+
+@pytest.mark.parametrize("label", SNAPSHOT_EDITS)
+def test_load_snapshot_refuses_bad_values_naming_the_file_and_the_problem(run, tmp_path, label):
+    edit, problem = SNAPSHOT_EDITS[label]
+    path = edited(run[1] / "snapshots/u0000_step000004.pt", tmp_path / "bad.pt", edit)
+    with pytest.raises(InputError) as err:
+        load_snapshot(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}: ") and problem in message and "\n" not in message, message
+
+
+CHECKPOINT_EDITS = {
+    "nan counter": (_set("progress", "tokens", float("nan")), "'progress' tokens"),
+    "missing counter": (_drop("progress", "wall_time"), "'progress' wall_time"),
+    "damaged torch rng": (_set("rng", "torch", torch.zeros(3, dtype=torch.uint8)), "'rng' does not hold usable"),
+    "damaged python rng": (_set("rng", "python", "internal", torch.zeros(2)), "'rng' does not hold usable"),
+}
+
+
+@pytest.mark.parametrize("label", CHECKPOINT_EDITS)
+def test_load_snapshot_refuses_bad_checkpoint_counters_and_rng_states(run, tmp_path, label):
+    edit, problem = CHECKPOINT_EDITS[label]
+    path = edited(run[1] / "checkpoints/step_000004.pt", tmp_path / "bad.pt", edit)
+    with pytest.raises(InputError, match=re.escape(problem)) as err:
+        load_snapshot(path, kind="checkpoint")
+    assert str(err.value).startswith(f"{path}: ")
+
+
+def test_sgd_momentum_of_the_wrong_shape_is_refused(tmp_path):
+    config = tiny_config(tmp_path).with_overrides(["optim.name='sgd'"])
+    model = LoopedTransformer(config.model)
+    optimizer = build_optimizer(model, config.optim)
+    training_loss(model, torch.randint(0, 256, (4, 17)), depth=2).backward()
+    optimizer.step()
+    good = save_snapshot(
+        tmp_path / "sgd.pt",
+        config=config,
+        step=1,
+        uniform_updates=0,
+        model=model,
+        optimizer=optimizer,
+        lr=1e-3,
+        batches=torch.zeros(2, 4, 17, dtype=torch.int64),
+        eval_tokens=torch.zeros(3, 17, dtype=torch.int64),
+    )
+    assert load_snapshot(good).optimizer_class == "SGD"
+    bad = edited(good, tmp_path / "bad.pt", _set("optimizer", "state", 2, "momentum_buffer", torch.zeros(5, 5)))
+    with pytest.raises(InputError, match=r"momentum_buffer has shape \[5, 5\]"):
+        load_snapshot(bad)
+
+
+def test_a_zero_lr_is_read_where_the_run_decays_to_zero(run, tmp_path):
+    def decay_to_zero(payload):
+        config = json.loads(payload["config"])
+        config["optim"]["min_lr_ratio"] = 0.0
+        payload["config"] = json.dumps(config)
+        payload["lr"] = 0.0
+
+    path = edited(run[1] / "snapshots/u0000_step000004.pt", tmp_path / "zero.pt", decay_to_zero)
+    assert load_snapshot(path).lr == 0.0
+
+
+def test_each_kind_is_refused_where_the_other_belongs(run, tmp_path):
+    config, run_dir = run
+    snapshot, checkpoint = run_dir / "snapshots/u0000_step000004.pt", run_dir / "checkpoints/step_000004.pt"
+    assert load_snapshot(snapshot, kind="snapshot").batches is not None
+    assert load_snapshot(checkpoint, kind="checkpoint").batches is None
+    with pytest.raises(InputError, match=f"^{re.escape(str(snapshot))}: a snapshot, not a checkpoint"):
+        load_snapshot(snapshot, kind="checkpoint")
+    with pytest.raises(InputError, match=f"^{re.escape(str(checkpoint))}: a checkpoint, not a snapshot"):
+        load_snapshot(checkpoint, kind="snapshot")
+
+    # A snapshot copied to where `train --resume` looks for the newest checkpoint.
+    copied = tmp_path / "copied"
+    (copied / "checkpoints").mkdir(parents=True)
+    (copied / "checkpoints/step_000004.pt").write_bytes(snapshot.read_bytes())
+    config_file = tmp_path / "config.toml"
+    config_file.write_text(_toml(config))
+    before = sorted(p.name for p in copied.rglob("*"))
+    result = CliRunner().invoke(main, ["train", str(config_file), "--resume", str(copied), "--no-progress"])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "step_000004.pt: a snapshot, not a checkpoint" in lines[0], result.stderr
+    assert sorted(p.name for p in copied.rglob("*")) == before
+
+
+def test_cli_refuses_a_snapshot_with_non_finite_weights_with_exit_2(run, tmp_path):
+    edit, _ = SNAPSHOT_EDITS["nan weight"]
+    path = edited(run[1] / "snapshots/u0000_step000004.pt", tmp_path / "nan.pt", edit)
+    for command in (["eval", str(path), "--out", str(tmp_path / "out/e.h5")], ["diagnose", str(path)]):
+        if command[0] == "diagnose":
+            command += ["--out", str(tmp_path / "out/d.h5")]
+        result = CliRunner().invoke(main, [*command, "--no-progress"])
+        assert result.exit_code == 2, (command, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "embed.weight holds non-finite" in lines[0], result.stderr
+        assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -84,6 +84,30 @@ def set_process_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def check_rng_state(state: dict[str, Any]) -> None:
+    """Raise (TypeError, ValueError, KeyError, RuntimeError) unless `state` is what
+    `process_rng_state` captures: each part is loaded into a throwaway generator of its kind,
+    so the process's own generators are untouched."""
+    if not isinstance(state, dict):
+        raise TypeError(f"expected a dict, got {type(state).__name__}")
+    torch.Generator().set_state(state["torch"])
+    version, internal, gauss = state["python"]["version"], state["python"]["internal"], state["python"]["gauss"]
+    random.Random().setstate((version, tuple(internal.tolist()), None if gauss is None else float(gauss)))
+    np_state = state["numpy"]
+    np.random.RandomState().set_state(
+        (
+            np_state["name"],
+            np_state["keys"].numpy().astype(np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["cached_gaussian"],
+        )
+    )
+    cuda = state.get("cuda", [])
+    if not isinstance(cuda, list) or not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in cuda):
+        raise TypeError("cuda states must be a list of uint8 tensors")
+
+
 def _python_rng_state() -> dict[str, Any]:
     version, internal, gauss = random.getstate()
     return {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss": gauss}

@@ -442,7 +442,7 @@ def _initial_model(config: RunConfig, run_dir: Path, *, resume: bool) -> tuple[L
         return model, None
     if checkpoint_path is None:
         raise InputError(f"{run_dir}: no checkpoint to resume from")
-    checkpoint = load_snapshot(checkpoint_path)
+    checkpoint = load_snapshot(checkpoint_path, kind="checkpoint")
     differences = _config_differences(checkpoint.config, config)
     if differences:
         raise InputError(
