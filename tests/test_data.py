@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+import trainer.data
 from common.errors import InputError
 from trainer.config import DataConfig
 from trainer.data import TokenSource, build_source
@@ -123,3 +124,32 @@ def test_bad_text_files_raise_input_errors_naming_the_file(tmp_path):
     short.write_text("x" * 100, encoding="utf-8")
     with pytest.raises(InputError, match="short.txt.*fewer than seq_len"):
         build_source(DataConfig(source="text", path=str(short))).batch(0, 0, 2, 95)
+
+
+def test_bin_ids_past_meta_json_vocab_size_are_refused_at_open_naming_the_file_and_the_id(tmp_path):
+    good = np.arange(300) % 128
+    bad = good.copy()
+    bad[10] = 150
+    with pytest.raises(InputError, match=r"train\.bin: token id 150 at position 10 is not below vocab_size 128"):
+        write_bins(tmp_path, bad, good, meta={"vocab_size": 128})
+    with pytest.raises(InputError, match=r"val\.bin: token id 150 at position 10 is not below vocab_size 128"):
+        write_bins(tmp_path, good, bad, meta={"vocab_size": 128})
+    with pytest.raises(InputError, match=r"meta\.json: max_token_id must be an integer in \[0, vocab_size=128\)"):
+        write_bins(tmp_path, good, good, meta={"vocab_size": 128, "max_token_id": 128})
+    assert write_bins(tmp_path, good, good, meta={"vocab_size": 128, "max_token_id": 127}).vocab_size == 128
+
+
+def test_bin_ids_past_the_scanned_prefix_are_caught_in_every_batch(tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer.data, "SCAN_TOKENS", 16)
+    tokens = np.full(400, 200)
+    tokens[:16] = np.arange(16)  # the scanned prefix is clean
+    source = write_bins(tmp_path, tokens, tokens, meta={"vocab_size": 128})
+    with pytest.raises(InputError, match=r"train\.bin: token id 200 is not below vocab_size 128 \(from .*meta\.json\)"):
+        source.batch(0, 0, 4, 16)
+    with pytest.raises(InputError, match=r"val\.bin: token id 200 is not below vocab_size 128"):
+        source.eval_tokens(2, 16)
+    # A meta.json whose max_token_id is wrong is caught the same way.
+    monkeypatch.undo()
+    source = write_bins(tmp_path, tokens, tokens, meta={"vocab_size": 128, "max_token_id": 127})
+    with pytest.raises(InputError, match=r"train\.bin: token id 200"):
+        source.batch(0, 0, 4, 16)

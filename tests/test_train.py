@@ -303,6 +303,23 @@ def test_vocabulary_larger_than_the_model_is_refused(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("model_vocab", [256, 128])
+def test_bin_token_ids_past_meta_json_vocab_size_are_refused_before_anything_is_written(tmp_path, model_vocab):
+    data = tmp_path / "data"
+    data.mkdir()
+    tokens = np.arange(2000, dtype=np.uint16) % 128
+    tokens[1500] = 200
+    tokens.tofile(data / "train.bin")
+    (np.arange(500, dtype=np.uint16) % 128).tofile(data / "val.bin")
+    (data / "meta.json").write_text(json.dumps({"vocab_size": 128}))
+    config = tiny_config(text_corpus(tmp_path)).with_overrides(
+        ["data.source='bin'", f"data.path='{data}'", f"model.vocab_size={model_vocab}"]
+    )
+    with pytest.raises(InputError, match=r"train\.bin: token id 200 at position 1500 is not below vocab_size 128"):
+        train(config, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+
+
 def test_cli_train_then_resume_a_finished_run(tmp_path):
     from click.testing import CliRunner
 
