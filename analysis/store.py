@@ -26,6 +26,7 @@ import xarray as xr
 
 from common.atomic import atomic_output
 from common.errors import InputError
+from common.lock import claimed_outputs
 
 ENGINE = "h5netcdf"
 COMPRESSION = {"zlib": True, "complevel": 4, "shuffle": True}
@@ -85,6 +86,14 @@ def write_dataset(ds: xr.Dataset, path: str | os.PathLike) -> None:
     data = ds.to_netcdf(engine=ENGINE, encoding=encoding)
     with atomic_output(path) as tmp, open(tmp, "wb") as handle:
         handle.write(data)
+
+
+def write_results(ds: xr.Dataset, path: str | os.PathLike, *, force: bool = False) -> Path:
+    """`write_dataset` for a command's output: holds `path`'s lock while writing and refuses
+    an existing file unless `force` (InputError). Returns the path."""
+    with claimed_outputs([path], force=force):
+        write_dataset(ds, path)
+    return Path(path)
 
 
 def _fail(source, problem: str) -> InputError:

@@ -2,8 +2,10 @@
 config, and calls one library function; the work lives in the libraries.
 
 Bad input (a missing or corrupt file, an invalid spec or config, an unwritable
-output) is reported as one line on stderr with exit code 2, a run that failed
-(diverged, ran out of disk) with exit code 3; `--debug` shows the traceback.
+output, an output in use by another depthdiag process) is reported as one line on
+stderr with exit code 2, a run that failed (diverged, ran out of disk) with exit
+code 3; `--debug` shows the traceback. Every command that writes a file holds its
+lock (common/lock.py) and refuses an existing one unless given `--force`.
 """
 
 from __future__ import annotations
@@ -75,6 +77,10 @@ def main(debug: bool) -> None:
     the file and the problem, nothing half-written); 3 the run failed
     (divergence, disk full during a run: one line naming the step and the last
     good checkpoint). --debug shows the traceback for 2 and 3 too.
+
+    \b
+    Every writer holds a lock on its output: a second writer is refused with the
+    holder's pid. An existing output is refused unless --force is given.
     """
 
 
@@ -286,19 +292,22 @@ def train_run(
     default=None,
     help="Also write the table as an xarray Dataset (HDF5 via h5netcdf).",
 )
+@click.option("--force", is_flag=True, help="Overwrite an existing --out file.")
 @device_option
 @eval_batch_size_option("--batch-size")
 @no_progress_option
 @reports_errors
 def eval_checkpoint(
-    checkpoint: Path, serving: str, out: Path | None, device: str, batch_size: int, no_progress: bool
+    checkpoint: Path, serving: str, out: Path | None, force: bool, device: str, batch_size: int, no_progress: bool
 ) -> None:
     """Mean token NLL of CHECKPOINT (a checkpoint or snapshot) at each serving depth on its
     evaluation set; for the bioS task also the recalled bits per person."""
     from common.depths import parse_serving_depths
+    from common.lock import refuse_existing
     from trainer.evaluate import evaluate_checkpoint, format_table
 
     depths = parse_serving_depths(serving)
+    refuse_existing([out] if out is not None else [], force=force)
     ds = evaluate_checkpoint(checkpoint, depths, device=device, batch_size=batch_size, progress=not no_progress)
     click.echo(
         f"{checkpoint}: step {ds.attrs['step']}, {ds.attrs['uniform_updates']} uniform updates, "
@@ -306,11 +315,9 @@ def eval_checkpoint(
     )
     click.echo(format_table(ds))
     if out is not None:
-        from analysis.store import write_dataset
+        from analysis.store import write_results
 
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_dataset(ds, out)
-        click.echo(f"wrote {out}")
+        click.echo(f"wrote {write_results(ds, out, force=force)}")
 
 
 # --- diagnose -------------------------------------------------------------------------------
@@ -364,7 +371,11 @@ def eval_checkpoint(
     "snapshot otherwise.",
 )
 @click.option("--resume", is_flag=True, help="Continue an interrupted run with the same settings.")
-@click.option("--force", is_flag=True, help="Discard an unfinished run or an existing OUT and start over.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Discard an unfinished run or an existing OUT and start over (never a live run's: it holds OUT's lock).",
+)
 @no_progress_option
 @reports_errors
 def diagnose(
@@ -389,6 +400,8 @@ def diagnose(
     \b
     Benefit(s) = NLL after the first depth's update - NLL after the last depth's update,
     at each serving depth s: positive favours the last depth's update. See docs/diagnostic.md.
+
+    The run holds OUT's lock (covering OUT.parts/) until it ends.
     """
     from common.depths import parse_serving_depths, parse_update_depths
     from diag.run import DiagnoseConfig
@@ -505,14 +518,17 @@ def summarize(results: tuple[Path, ...], as_json: bool, options: IntervalOptions
     required=True,
     help="Image to write (e.g. figures/figure4.png); a PDF is written beside it.",
 )
+@click.option("--force", is_flag=True, help="Overwrite an existing image (and the PDF beside it).")
 @reports_errors
 @interval_options
-def plot(results: tuple[Path, ...], figure_number: str, out: Path, options: IntervalOptions) -> None:
+def plot(results: tuple[Path, ...], figure_number: str, out: Path, force: bool, options: IntervalOptions) -> None:
     """Draw a figure from RESULTS files (several files are several seeds: the error bars and
     bands are then intervals over seeds; with one file they cover batch noise only)."""
-    from analysis.figures import figure4, save_figure
+    from analysis.figures import figure4, figure_paths, save_figure
     from analysis.store import open_results
+    from common.lock import refuse_existing
 
+    refuse_existing(figure_paths(out), force=force)
     ds = open_results(results)
     _warn_on_mixed_learning_rates(ds, results)
     with warnings.catch_warnings(record=True) as caught:
@@ -520,7 +536,7 @@ def plot(results: tuple[Path, ...], figure_number: str, out: Path, options: Inte
         fig = figure4(ds, options=options)
     for warning in caught:
         click.echo(f"depthdiag: warning: {warning.message}", err=True)
-    for path in save_figure(fig, out):
+    for path in save_figure(fig, out, force=force):
         click.echo(f"wrote {path}")
 
 

@@ -8,6 +8,10 @@ settings and the snapshots' sha256, so `--resume` continues only the same
 run, skipping every unit already on disk: a killed run loses at most the unit
 in flight and, resumed, ends with the same file as an uninterrupted run.
 
+The run holds the lock of OUT (common/lock.py) from before it touches anything until it
+ends; the lock covers OUT.parts/ too, so a second run on the same OUT, `--force`
+included, is refused with the holder's pid and deletes nothing.
+
 Ordinary checkpoints (no `batches`) are accepted: their batches are the next
 ones the run itself would have drawn, `build_source(cfg.data).batch(cfg.train.seed,
 step + i, cfg.train.batch_size, cfg.train.seq_len)`.
@@ -33,6 +37,7 @@ from common.atomic import atomic_output
 from common.benefit import benefit_description
 from common.choices import DEVICE_CHOICES, EVAL_SET_CHOICES
 from common.errors import InputError
+from common.lock import exclusive_output
 from common.progress import progress_bar
 from diag.engine import DiagnosticOptions, UpdateDiagnostic
 from trainer.checkpoint import Snapshot, load_snapshot
@@ -75,7 +80,8 @@ class DiagnoseConfig:
     resume: bool = False
     """Continue an interrupted run with the same settings, skipping finished units."""
     force: bool = False
-    """Discard an unfinished run's parts and an existing OUT and start over."""
+    """Discard an unfinished run's parts and an existing OUT and start over (never those of a
+    live run: its lock refuses this run first)."""
     progress: bool = True
     """Show a progress bar over units (on a terminal)."""
     diagnostic: DiagnosticOptions = field(init=False, repr=False, compare=False)
@@ -228,7 +234,8 @@ def _write_json(value: dict, path: Path) -> None:
 
 
 def _prepare(config: DiagnoseConfig, manifest: dict, out: Path, parts: Path) -> bool:
-    """Check what is on disk against the flags; return False when OUT already holds this run."""
+    """Check what is on disk against the flags; return False when OUT already holds this run.
+    Called with OUT's lock held: nothing here can belong to a live run."""
     if parts.exists():
         if config.force:
             shutil.rmtree(parts)
@@ -420,9 +427,11 @@ def diagnose(config: DiagnoseConfig) -> Path:
     config = replace(config, eval_set=entries[0].eval_set)
     device = resolve_device(config.device)
     manifest = _manifest(config, entries, device)
-    if not _prepare(config, manifest, out, parts):
-        return out
-    _run_units(config, entries, parts, device)
-    write_dataset(_assemble(config, entries, manifest, parts), out)
-    shutil.rmtree(parts)
+    # Taken before anything on disk is looked at or deleted, held to the end.
+    with exclusive_output(out):
+        if not _prepare(config, manifest, out, parts):
+            return out
+        _run_units(config, entries, parts, device)
+        write_dataset(_assemble(config, entries, manifest, parts), out)
+        shutil.rmtree(parts)
     return out

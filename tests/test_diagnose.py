@@ -301,3 +301,54 @@ def test_killed_run_resumed_equals_uninterrupted_run(run, tmp_path, monkeypatch)
     assert len(computed) == 2 * CARRIED - finished  # finished units are reused, not recomputed
     assert not parts.exists()
     xr.testing.assert_identical(comparable(out), comparable(full))
+
+
+# --- one writer per output ---
+
+SMALL = ["--update-depths", "2,5", "--serving", "1-3", "--no-progress"]
+
+
+def listing(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_a_live_runs_output_and_parts_are_never_touched_by_a_second_run(run, tmp_path):
+    from test_lock import start_holder
+
+    out, parts = tmp_path / "r.h5", tmp_path / "r.h5.parts"
+    parts.mkdir()
+    (parts / "manifest.json").write_text("{}")
+    (parts / "snap-u00.b00000.h5").write_bytes(b"a finished unit")
+    out.write_bytes(b"a finished file")
+    before = listing(parts)
+    holder = start_holder(out)  # a diagnose on OUT in another process, as far as the lock goes
+    try:
+        for flag in ("--force", "--resume"):
+            result = cli(run[2], "--out", out, "--batches", 1, *SMALL, flag)
+            assert result.exit_code == 2, result.output
+            assert result.stderr.strip().splitlines() == [
+                f"depthdiag: error: {out}: in use by another depthdiag process (pid {holder.pid}); "
+                "wait for it to finish or stop it"
+            ]
+            assert listing(parts) == before and out.read_bytes() == b"a finished file"
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder gone (however it ended), --force starts over.
+    assert cli(run[2], "--out", out, "--batches", 1, *SMALL, "--force").exit_code == 0
+    assert not parts.exists() and open_results(out).sizes["batch"] == 1
+
+
+def test_the_lock_is_held_for_the_whole_run(run, tmp_path, monkeypatch):
+    from common.lock import lock_path
+
+    out = tmp_path / "r.h5"
+    held = []
+    compare = diag.UpdateDiagnostic.compare
+    monkeypatch.setattr(
+        diag.UpdateDiagnostic,
+        "compare",
+        lambda self, batch: held.append(lock_path(out).read_text().strip()) or compare(self, batch),
+    )
+    assert cli(run[2], "--out", out, "--batches", 2, *SMALL).exit_code == 0
+    assert held == [str(os.getpid())] * 2 and not lock_path(out).exists()

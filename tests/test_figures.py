@@ -266,3 +266,37 @@ def test_bad_results_files_exit_2_with_one_line(tmp_path, name):
     assert bad.exit_code == 2
     assert len(bad.stderr.strip().splitlines()) == 1 and str(garbage) in bad.stderr
     assert not figure.exists()
+
+
+def test_plot_refuses_an_existing_image_or_pdf_unless_forced_and_a_held_one(tmp_path):
+    from test_lock import start_holder
+
+    path = tmp_path / "results.h5"
+    write_dataset(results(), path)
+    out = tmp_path / "figure4.png"
+    pdf = out.with_suffix(".pdf")
+    runner = CliRunner()
+
+    def plot(*flags):
+        return runner.invoke(main, ["plot", str(path), "--out", str(out), *flags])
+
+    pdf.write_bytes(b"an older figure")
+    result = plot()
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        f"depthdiag: error: {pdf}: already exists; pass --force to overwrite it"
+    ]
+    assert pdf.read_bytes() == b"an older figure" and not out.exists()
+    assert plot("--force").exit_code == 0 and pdf.read_bytes()[:5] == b"%PDF-"
+    assert plot().exit_code == 2  # now the image exists too
+    holder = start_holder(pdf)
+    try:
+        result = plot("--force")
+        assert (
+            result.exit_code == 2 and f"{pdf}: in use by another depthdiag process (pid {holder.pid})" in result.stderr
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+    assert plot("--force").exit_code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["figure4.pdf", "figure4.png", "results.h5"]
