@@ -102,7 +102,15 @@ serving_option = click.option(
     "--serving",
     default="1-16",
     show_default=True,
-    help=f"Serving depths: a range (1-{MAX_SERVING_DEPTH}), a list (1,2,4,8) or both (1-4,8,16).",
+    help=f"Serving depths: a range (1-16), a list (1,2,4,8) or both (1-4,8,16); at most {MAX_SERVING_DEPTH} "
+    "unless --max-depth says otherwise.",
+)
+max_depth_option = click.option(
+    "--max-depth",
+    type=click.IntRange(min=1),
+    default=MAX_SERVING_DEPTH,
+    show_default=True,
+    help="The deepest depth accepted in the depth lists (a guard against typos such as '4,160'); raise it on purpose.",
 )
 device_option = click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True)
 no_progress_option = click.option("--no-progress", is_flag=True, help="No progress bar.")
@@ -293,12 +301,20 @@ def train_run(
     help="Also write the table as an xarray Dataset (HDF5 via h5netcdf).",
 )
 @click.option("--force", is_flag=True, help="Overwrite an existing --out file.")
+@max_depth_option
 @device_option
 @eval_batch_size_option("--batch-size")
 @no_progress_option
 @reports_errors
 def eval_checkpoint(
-    checkpoint: Path, serving: str, out: Path | None, force: bool, device: str, batch_size: int, no_progress: bool
+    checkpoint: Path,
+    serving: str,
+    out: Path | None,
+    force: bool,
+    max_depth: int,
+    device: str,
+    batch_size: int,
+    no_progress: bool,
 ) -> None:
     """Mean token NLL of CHECKPOINT (a checkpoint or snapshot) at each serving depth on its
     evaluation set; for the bioS task also the recalled bits per person."""
@@ -306,7 +322,7 @@ def eval_checkpoint(
     from common.lock import refuse_existing
     from trainer.evaluate import evaluate_checkpoint, format_table
 
-    depths = parse_serving_depths(serving)
+    depths = parse_serving_depths(serving, limit=max_depth)
     refuse_existing([out] if out is not None else [], force=force)
     ds = evaluate_checkpoint(checkpoint, depths, device=device, batch_size=batch_size, progress=not no_progress)
     click.echo(
@@ -335,9 +351,11 @@ def eval_checkpoint(
     "--update-depths",
     default="4,16",
     show_default=True,
-    help="Depths of the compared updates in the --serving grammar, no depth twice; the first is the reference.",
+    help="Depths of the compared updates in the --serving grammar, no depth twice; the first is the reference. "
+    f"At most {MAX_SERVING_DEPTH} unless --max-depth says otherwise.",
 )
 @serving_option
+@max_depth_option
 @click.option(
     "--batches",
     type=click.IntRange(min=1),
@@ -370,7 +388,11 @@ def eval_checkpoint(
     "presentations, NLL over the attribute-value tokens only; auto: attributes for bioS runs, "
     "snapshot otherwise.",
 )
-@click.option("--resume", is_flag=True, help="Continue an interrupted run with the same settings.")
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue an interrupted run with the same settings (damaged unit files are computed again).",
+)
 @click.option(
     "--force",
     is_flag=True,
@@ -383,6 +405,7 @@ def diagnose(
     out: str,
     update_depths: str,
     serving: str,
+    max_depth: int,
     batches: int | None,
     isolate: str,
     rms_match: str,
@@ -410,8 +433,8 @@ def diagnose(
     config = DiagnoseConfig(
         snapshots=snapshots,
         out=out,
-        update_depths=parse_update_depths(update_depths),
-        serving_depths=parse_serving_depths(serving),
+        update_depths=parse_update_depths(update_depths, limit=max_depth),
+        serving_depths=parse_serving_depths(serving, limit=max_depth),
         batches=batches,
         isolate=isolate,
         rms_match=rms_match,
@@ -421,6 +444,7 @@ def diagnose(
         device=device,
         resume=resume,
         force=force,
+        max_depth=max_depth,
         progress=not no_progress,
     )
     click.echo(f"wrote {run_diagnose(config)}")

@@ -106,3 +106,5 @@ def test_eval_out_takes_the_lock_and_refuses_an_existing_file_unless_forced(toy_
         holder.wait()
     assert runner.invoke(main, [*args, "--force"]).exit_code == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.h5"]
+    result = runner.invoke(main, ["eval", str(snapshot), "--serving", "1-65", "--no-progress"])
+    assert result.exit_code == 2 and "--max-depth" in result.stderr
