@@ -101,7 +101,8 @@ def _fail(source, problem: str) -> InputError:
 
 
 def validate_results(ds: xr.Dataset, source, *, seed_dim: str = "seed") -> None:
-    """Raise InputError("SOURCE: problem") unless `ds` follows the results schema.
+    """Raise InputError("SOURCE: problem") unless `ds` follows the results schema and holds
+    finite benefit data (at least one value; NaN marks a missing unit, never an infinity).
 
     Any variable may carry an extra `seed_dim` dimension (several seeds combined);
     variables beyond the schema's are allowed.
@@ -129,6 +130,11 @@ def validate_results(ds: xr.Dataset, source, *, seed_dim: str = "seed") -> None:
             raise _fail(source, f"coordinate {coord!r} has dtype {ds[coord].dtype}, expected integers")
     if ds.sizes["update_depth"] < 2:
         raise _fail(source, "fewer than two update depths: there is nothing to compare")
+    benefit = np.asarray(ds["benefit"].values, dtype=np.float64)
+    if np.isinf(benefit).any():
+        raise _fail(source, "the benefit holds infinite values (a diverged snapshot?); diagnose it again")
+    if not np.isfinite(benefit).any():
+        raise _fail(source, "no finite benefit value (every unit is NaN): nothing to summarize or draw")
     for key, value in ds.attrs.items():
         if not isinstance(value, (str, int, float, np.integer, np.floating)):
             raise _fail(source, f"attribute {key!r} has type {type(value).__name__}, expected str/int/float")

@@ -24,7 +24,7 @@ import click
 
 from common.choices import DEVICE_CHOICES, EVAL_SET_CHOICES, INTERVAL_METHOD_CHOICES, ISOLATE_CHOICES, RMS_MATCH_CHOICES
 from common.depths import MAX_SERVING_DEPTH
-from common.errors import EXIT_BAD_INPUT, EXIT_RUN_FAILED, InputError, RunFailed
+from common.errors import EXIT_BAD_INPUT, EXIT_RUN_FAILED, InputError, RunFailed, naming_files
 
 if TYPE_CHECKING:
     from analysis.stats import IntervalOptions
@@ -424,7 +424,8 @@ def diagnose(
     Benefit(s) = NLL after the first depth's update - NLL after the last depth's update,
     at each serving depth s: positive favours the last depth's update. See docs/diagnostic.md.
 
-    The run holds OUT's lock (covering OUT.parts/) until it ends.
+    The run holds OUT's lock (covering OUT.parts/) until it ends; a unit with a non-finite
+    NLL, loss or update RMS (a diverged snapshot) stops it with exit 2, naming the file and batch.
     """
     from common.depths import parse_serving_depths, parse_update_depths
     from diag.run import DiagnoseConfig
@@ -496,11 +497,12 @@ def summarize(results: tuple[Path, ...], as_json: bool, options: IntervalOptions
     )
     from analysis.store import open_results
 
-    ds = open_results(results)
-    warning = _warn_on_mixed_learning_rates(ds, results)
-    rows = summary_table(ds, options=options)
-    has_switch = 0 in ds["uniform_updates"].values
-    phase = finishing_phase(ds, options=options) if has_switch else None
+    with naming_files(results):
+        ds = open_results(results)
+        warning = _warn_on_mixed_learning_rates(ds, results)
+        rows = summary_table(ds, options=options)
+        has_switch = 0 in ds["uniform_updates"].values
+        phase = finishing_phase(ds, options=options) if has_switch else None
     if as_json:
         unit = rows[0]["unit"]
         document = {
@@ -553,11 +555,12 @@ def plot(results: tuple[Path, ...], figure_number: str, out: Path, force: bool, 
     from common.lock import refuse_existing
 
     refuse_existing(figure_paths(out), force=force)
-    ds = open_results(results)
-    _warn_on_mixed_learning_rates(ds, results)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fig = figure4(ds, options=options)
+    with naming_files(results):
+        ds = open_results(results)
+        _warn_on_mixed_learning_rates(ds, results)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fig = figure4(ds, options=options)
     for warning in caught:
         click.echo(f"depthdiag: warning: {warning.message}", err=True)
     for path in save_figure(fig, out, force=force):
@@ -586,7 +589,8 @@ def sensitivity(results: tuple[Path, ...], after_updates: int, as_json: bool, op
     """
     from analysis.sensitivity import format_sensitivity_markdown, sensitivity_table
 
-    table = sensitivity_table(results, after_updates=after_updates, options=options)
+    with naming_files(results):
+        table = sensitivity_table(results, after_updates=after_updates, options=options)
     if as_json:
         click.echo(json.dumps(_json_ready(table.to_dict()), indent=2))
     else:

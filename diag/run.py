@@ -13,7 +13,9 @@ ends; the lock covers OUT.parts/ too, so a second run on the same OUT, `--force`
 included, is refused with the holder's pid and deletes nothing. A resumed run opens
 every finished unit file before computing: a damaged one is deleted and computed again
 (with a warning naming it), and a complete OUT whose parts directory survived (a kill
-during the final cleanup) is recognised as complete.
+during the final cleanup) is recognised as complete. A unit with a non-finite NLL,
+training loss or update RMS (a diverged snapshot) stops the run as bad input, naming the
+snapshot file and the batch, and leaves no parts behind.
 
 Ordinary checkpoints (no `batches`) are accepted: their batches are the next
 ones the run itself would have drawn, `build_source(cfg.data).batch(cfg.train.seed,
@@ -387,6 +389,14 @@ def _run_units(config: DiagnoseConfig, entries: list[_Entry], parts: Path, devic
             for i, batch in _batches(snap, todo[entry.name]):
                 bar.set_postfix_str(f"{entry.name} batch {i}")
                 unit = diagnostic.compare(batch)
+                problem = _non_finite(unit)
+                if problem is not None:
+                    # The parts are of a run that cannot finish: none of them is worth keeping.
+                    shutil.rmtree(parts)
+                    raise InputError(
+                        f"{entry.path}: batch {i}: non-finite {problem}; the snapshot's model has diverged "
+                        "or its update overflows, so it cannot be diagnosed (nothing written)"
+                    )
                 write_dataset(unit.expand_dims(snapshot=[entry.name], batch=[i]), _part_path(parts, entry, i))
                 bar.update(1)
             del diagnostic, optimizer, model, snap

@@ -303,7 +303,7 @@ def test_killed_run_resumed_equals_uninterrupted_run(run, tmp_path, monkeypatch)
     xr.testing.assert_identical(comparable(out), comparable(full))
 
 
-# --- one writer per output, resume that finishes what it can, bounded depths ---
+# --- one writer per output, resume that finishes what it can, bounded depths, non-finite units ---
 
 SMALL = ["--update-depths", "2,5", "--serving", "1-3", "--no-progress"]
 
@@ -431,3 +431,26 @@ def test_depths_are_bounded_unless_max_depth_allows_more(run, tmp_path):
     assert result.exit_code == 0, result.output
     assert open_results(out)["update_depth"].values.tolist() == [2, 65]
     assert "--max-depth" in CliRunner().invoke(main, ["diagnose", "--help"]).output
+
+
+def test_a_non_finite_unit_stops_the_run_naming_the_snapshot_and_batch(run, tmp_path, monkeypatch):
+    out, parts = tmp_path / "r.h5", tmp_path / "r.h5.parts"
+    calls = []
+    compare = diag.UpdateDiagnostic.compare
+
+    def diverged_at_the_second(self, batch):
+        unit = compare(self, batch)
+        calls.append(1)
+        if len(calls) == 2:
+            unit["nll"][...] = np.nan  # what a diverged model's update gives
+        return unit
+
+    with monkeypatch.context() as patch:
+        patch.setattr(diag.UpdateDiagnostic, "compare", diverged_at_the_second)
+        result = cli(run[2], "--out", out, "--batches", 3, *SMALL)
+    assert result.exit_code == 2, result.output
+    (line,) = [line for line in result.stderr.splitlines() if not line.startswith("warning:")]
+    assert line.startswith("depthdiag: error: ") and f"{run[2]}: batch 1: non-finite NLL (nan)" in line
+    assert not out.exists() and not parts.exists() and list(tmp_path.iterdir()) == []
+    # Nothing is in the way of the next run, without --force.
+    assert cli(run[2], "--out", out, "--batches", 3, *SMALL).exit_code == 0

@@ -268,6 +268,34 @@ def test_bad_results_files_exit_2_with_one_line(tmp_path, name):
     assert not figure.exists()
 
 
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+@pytest.mark.parametrize("name", ["summarize", "plot"])
+def test_results_without_finite_benefit_data_are_refused_naming_the_file(tmp_path, name, bad):
+    path = tmp_path / "diverged.h5"
+    ds = results()
+    if bad == "nan":
+        ds["benefit"][...] = np.nan  # every unit missing: it printed "0 batches", drew an empty figure
+    else:
+        ds["benefit"][1, 2, 3] = np.inf
+    write_dataset(ds, path)
+    figure = tmp_path / "figure.png"
+    command = ["summarize"] if name == "summarize" else ["plot", "--out", str(figure)]
+    result = CliRunner().invoke(main, [*command, str(path)])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"depthdiag: error: {path}: ") and ("no finite benefit" in line or "infinite" in line)
+    assert result.stdout == "" and not figure.exists() and not figure.with_suffix(".pdf").exists()
+
+
+def test_every_plot_error_names_the_results_file(tmp_path):
+    path = tmp_path / "late.h5"
+    write_dataset(results(uniform_updates=(4, 8)), path)  # no switch snapshot to draw
+    result = CliRunner().invoke(main, ["plot", str(path), "--out", str(tmp_path / "f.png")])
+    assert result.exit_code == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"depthdiag: error: {path}: no snapshot after 0, 16 uniform updates")
+
+
 def test_plot_refuses_an_existing_image_or_pdf_unless_forced_and_a_held_one(tmp_path):
     from test_lock import start_holder
 
