@@ -81,7 +81,7 @@ $(SUMMARY): $(SEED_RESULTS) $(ANALYSIS_SOURCES)
 	mv $@.tmp $@
 
 $(FIGURE): $(SEED_RESULTS) $(ANALYSIS_SOURCES)
-	$(DEPTHDIAG) plot $(SEED_RESULTS) --figure 4 --out $@
+	$(DEPTHDIAG) plot $(SEED_RESULTS) --figure 4 --out $@ --force
 
 summary: $(SUMMARY)
 

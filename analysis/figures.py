@@ -18,6 +18,7 @@ import numpy as np
 import seaborn as sns
 import xarray as xr
 from matplotlib.axes import Axes
+from matplotlib.backend_bases import FigureCanvasBase
 from matplotlib.figure import Figure
 
 from analysis.stats import (
@@ -33,6 +34,7 @@ from analysis.stats import (
 from common.atomic import atomic_output
 from common.benefit import benefit_description
 from common.errors import InputError
+from common.lock import claimed_outputs
 
 STYLE = "whitegrid"
 PALETTE = "colorblind"
@@ -231,17 +233,24 @@ def figure4(ds: xr.Dataset, *, options: IntervalOptions = IntervalOptions()) -> 
     return fig
 
 
-def save_figure(fig: Figure, out: str | os.PathLike, *, dpi: int = 200) -> list[Path]:
-    """Write `fig` to `out` and a PDF beside it, each atomically; return the paths written."""
+def figure_paths(out: str | os.PathLike) -> list[Path]:
+    """The files `save_figure` writes for `out`: `out` and, unless it is a PDF, a PDF beside it.
+    An unknown image format is refused here, before anything is written: the temporary
+    file's name cannot tell matplotlib the format."""
     out = Path(out)
-    # Checked before anything is written: the temporary file's name cannot tell matplotlib the format.
-    if out.suffix.lstrip(".").lower() not in fig.canvas.get_supported_filetypes():
+    if out.suffix.lstrip(".").lower() not in FigureCanvasBase.get_supported_filetypes():
         raise InputError(f"{out}: unknown image format {out.suffix or '(no extension)'}; use e.g. .png or .pdf")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    paths = [out] if out.suffix.lower() == ".pdf" else [out, out.with_suffix(".pdf")]
-    for path in paths:
-        with atomic_output(path) as tmp:
-            # No creation date in the PDF, so rerunning on the same results gives the same bytes.
-            metadata = {"CreationDate": None} if path.suffix.lower() == ".pdf" else None
-            fig.savefig(tmp, format=path.suffix.lstrip(".").lower(), dpi=dpi, metadata=metadata)
+    return [out] if out.suffix.lower() == ".pdf" else [out, out.with_suffix(".pdf")]
+
+
+def save_figure(fig: Figure, out: str | os.PathLike, *, dpi: int = 200, force: bool = True) -> list[Path]:
+    """Write `fig` to `out` and a PDF beside it, each atomically, holding both files' locks;
+    return the paths written. Without `force` an existing file is refused (InputError)."""
+    paths = figure_paths(out)
+    with claimed_outputs(paths, force=force):
+        for path in paths:
+            with atomic_output(path) as tmp:
+                # No creation date in the PDF, so rerunning on the same results gives the same bytes.
+                metadata = {"CreationDate": None} if path.suffix.lower() == ".pdf" else None
+                fig.savefig(tmp, format=path.suffix.lstrip(".").lower(), dpi=dpi, metadata=metadata)
     return paths

@@ -26,6 +26,7 @@ import xarray as xr
 
 from common.atomic import atomic_output
 from common.errors import InputError
+from common.lock import claimed_outputs
 
 ENGINE = "h5netcdf"
 COMPRESSION = {"zlib": True, "complevel": 4, "shuffle": True}
@@ -87,12 +88,21 @@ def write_dataset(ds: xr.Dataset, path: str | os.PathLike) -> None:
         handle.write(data)
 
 
+def write_results(ds: xr.Dataset, path: str | os.PathLike, *, force: bool = False) -> Path:
+    """`write_dataset` for a command's output: holds `path`'s lock while writing and refuses
+    an existing file unless `force` (InputError). Returns the path."""
+    with claimed_outputs([path], force=force):
+        write_dataset(ds, path)
+    return Path(path)
+
+
 def _fail(source, problem: str) -> InputError:
     return InputError(f"{source}: {problem}")
 
 
 def validate_results(ds: xr.Dataset, source, *, seed_dim: str = "seed") -> None:
-    """Raise InputError("SOURCE: problem") unless `ds` follows the results schema.
+    """Raise InputError("SOURCE: problem") unless `ds` follows the results schema and holds
+    finite benefit data (at least one value; NaN marks a missing unit, never an infinity).
 
     Any variable may carry an extra `seed_dim` dimension (several seeds combined);
     variables beyond the schema's are allowed.
@@ -120,6 +130,11 @@ def validate_results(ds: xr.Dataset, source, *, seed_dim: str = "seed") -> None:
             raise _fail(source, f"coordinate {coord!r} has dtype {ds[coord].dtype}, expected integers")
     if ds.sizes["update_depth"] < 2:
         raise _fail(source, "fewer than two update depths: there is nothing to compare")
+    benefit = np.asarray(ds["benefit"].values, dtype=np.float64)
+    if np.isinf(benefit).any():
+        raise _fail(source, "the benefit holds infinite values (a diverged snapshot?); diagnose it again")
+    if not np.isfinite(benefit).any():
+        raise _fail(source, "no finite benefit value (every unit is NaN): nothing to summarize or draw")
     for key, value in ds.attrs.items():
         if not isinstance(value, (str, int, float, np.integer, np.floating)):
             raise _fail(source, f"attribute {key!r} has type {type(value).__name__}, expected str/int/float")

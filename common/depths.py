@@ -5,6 +5,10 @@ Two readings of it: `parse_serving_depths` (a set of depths to evaluate at: sort
 distinct) and `parse_update_depths` (the compared update depths: in the order written,
 no depth twice, as the first one is the reference). Bad input raises InputError
 naming the option.
+
+Both readings stop at MAX_SERVING_DEPTH (64) unless the caller passes another `limit`
+(the commands' `--max-depth N`): a deeper update costs memory and time in proportion to
+its depth, so a typo such as '4,160' is refused rather than run.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 from common.errors import InputError
 
 MAX_SERVING_DEPTH = 64
-"""The deepest serving depth the command line accepts."""
+"""The deepest serving or update depth the command line accepts without `--max-depth`."""
 
 
 def _depths_in_order(text: str, option: str, limit: int | None) -> list[int]:
@@ -27,8 +31,13 @@ def _depths_in_order(text: str, option: str, limit: int | None) -> list[int]:
                 f"{option} {text!r}: expected depths like '1-16', '1,2,4,8' or both ('1-4,8,16')"
             ) from None
         highest = "" if limit is None else f" <= {limit}"
-        if first < 1 or first > last or (limit is not None and last > limit):
+        if first < 1 or first > last:
             raise InputError(f"{option} {text!r}: need 1 <= depth{highest} and ranges low-high with low <= high")
+        if limit is not None and last > limit:
+            raise InputError(
+                f"{option} {text!r}: depth {last} is above the maximum: need 1 <= depth <= {limit} "
+                "(--max-depth N allows deeper)"
+            )
         depths.extend(range(first, last + 1))
     return depths
 
@@ -40,9 +49,11 @@ def parse_serving_depths(
     return tuple(sorted(set(_depths_in_order(text, option, limit))))
 
 
-def parse_update_depths(text: str, option: str = "--update-depths", *, limit: int | None = None) -> tuple[int, ...]:
+def parse_update_depths(
+    text: str, option: str = "--update-depths", *, limit: int | None = MAX_SERVING_DEPTH
+) -> tuple[int, ...]:
     """'4,16' or a mix with ranges such as '4,1-2' -> depths in the order written (the order
-    matters: the first is the reference); a depth named twice is an error."""
+    matters: the first is the reference) in 1..limit; a depth named twice is an error."""
     depths = _depths_in_order(text, option, limit)
     repeated = sorted({depth for depth in depths if depths.count(depth) > 1})
     if repeated:

@@ -2,6 +2,9 @@
 0 success, 1 a bug (traceback), 2 bad input (InputError, and OS errors such as a
 missing folder or a full disk), 3 the run failed (RunFailed)."""
 
+import contextlib
+from collections.abc import Iterator
+
 EXIT_BUG = 1
 EXIT_BAD_INPUT = 2
 EXIT_RUN_FAILED = 3
@@ -21,3 +24,18 @@ class RunFailed(Exception):
     """A run that started well and could not finish (divergence, the disk filling up during
     training): the CLI prints the message on one line and exits 3. The message names the
     step and the last good checkpoint to resume from."""
+
+
+@contextlib.contextmanager
+def naming_files(files) -> Iterator[None]:
+    """Re-raise an InputError whose message names none of `files` with them in front
+    ("a.h5, b.h5: problem"), so that every error of a command that reads those files says
+    which ones it concerns."""
+    names = [str(name) for name in files]
+    try:
+        yield
+    except InputError as err:
+        message = str(err)
+        if names and not any(name in message for name in names):
+            raise InputError(f"{', '.join(names)}: {message}") from None
+        raise

@@ -4,6 +4,12 @@ A writer holds an advisory `flock` on a lock file beside its output for as long 
 writes. The kernel drops the lock when the holder dies, however it dies, so a lock of a
 dead process is never in the way: the next writer simply takes it. The holder's pid is
 written into the lock file only so that a refused writer can say who holds it.
+
+Taking the lock also removes the temporaries a killed writer of the output left beside it
+(`.NAME.XXXXXXXX.tmpSUFFIX`, see common/atomic.py): while we hold the lock nobody else can
+be writing them. `claimed_outputs` adds the rule for plain outputs: an existing one is
+refused unless the caller passes `force`, which overwrites it (atomically) and never
+deletes anything a live writer holds.
 """
 
 from __future__ import annotations
@@ -11,9 +17,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from common.atomic import remove_stale_temporaries
 from common.errors import InputError
 
 
@@ -36,8 +43,9 @@ def _holder(path: Path) -> str:
 def exclusive_output(output: str | Path) -> Iterator[Path]:
     """Hold the lock of `output` (a file or directory, existing or not) for the block.
 
-    Raises InputError naming the holder's pid when another live process holds it. The
-    lock file is removed on the way out.
+    Raises InputError naming the holder's pid when another live process holds it. Once
+    held, stale temporaries of `output` (left by a killed writer) are removed. The lock
+    file is removed on the way out.
     """
     output = Path(output)
     path = lock_path(output)
@@ -69,8 +77,35 @@ def exclusive_output(output: str | Path) -> Iterator[Path]:
     try:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
+        remove_stale_temporaries(output)
         yield path
     finally:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         os.close(fd)
+
+
+def refuse_existing(outputs: Iterable[str | Path], *, force: bool) -> None:
+    """Raise InputError naming the first of `outputs` that exists, unless `force`."""
+    if force:
+        return
+    for output in outputs:
+        if Path(output).exists():
+            raise InputError(f"{output}: already exists; pass --force to overwrite it")
+
+
+@contextlib.contextmanager
+def claimed_outputs(outputs: Iterable[str | Path], *, force: bool) -> Iterator[list[Path]]:
+    """Hold the locks of all `outputs` (in the order given) for the block, and refuse one
+    that already exists unless `force`; yields the paths. With `force` the block overwrites
+    them; nothing is deleted here.
+
+    Check with `refuse_existing` before long work too, so that a refusal comes first; this
+    checks again under the lock.
+    """
+    outputs = [Path(output) for output in outputs]
+    with contextlib.ExitStack() as stack:
+        for output in outputs:
+            stack.enter_context(exclusive_output(output))
+        refuse_existing(outputs, force=force)
+        yield outputs

@@ -2,8 +2,10 @@
 config, and calls one library function; the work lives in the libraries.
 
 Bad input (a missing or corrupt file, an invalid spec or config, an unwritable
-output) is reported as one line on stderr with exit code 2, a run that failed
-(diverged, ran out of disk) with exit code 3; `--debug` shows the traceback.
+output, an output in use by another depthdiag process) is reported as one line on
+stderr with exit code 2, a run that failed (diverged, ran out of disk) with exit
+code 3; `--debug` shows the traceback. Every command that writes a file holds its
+lock (common/lock.py) and refuses an existing one unless given `--force`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import click
 
 from common.choices import DEVICE_CHOICES, EVAL_SET_CHOICES, INTERVAL_METHOD_CHOICES, ISOLATE_CHOICES, RMS_MATCH_CHOICES
 from common.depths import MAX_SERVING_DEPTH
-from common.errors import EXIT_BAD_INPUT, EXIT_RUN_FAILED, InputError, RunFailed
+from common.errors import EXIT_BAD_INPUT, EXIT_RUN_FAILED, InputError, RunFailed, naming_files
 
 if TYPE_CHECKING:
     from analysis.stats import IntervalOptions
@@ -75,6 +77,10 @@ def main(debug: bool) -> None:
     the file and the problem, nothing half-written); 3 the run failed
     (divergence, disk full during a run: one line naming the step and the last
     good checkpoint). --debug shows the traceback for 2 and 3 too.
+
+    \b
+    Every writer holds a lock on its output: a second writer is refused with the
+    holder's pid. An existing output is refused unless --force is given.
     """
 
 
@@ -96,7 +102,15 @@ serving_option = click.option(
     "--serving",
     default="1-16",
     show_default=True,
-    help=f"Serving depths: a range (1-{MAX_SERVING_DEPTH}), a list (1,2,4,8) or both (1-4,8,16).",
+    help=f"Serving depths: a range (1-16), a list (1,2,4,8) or both (1-4,8,16); at most {MAX_SERVING_DEPTH} "
+    "unless --max-depth says otherwise.",
+)
+max_depth_option = click.option(
+    "--max-depth",
+    type=click.IntRange(min=1),
+    default=MAX_SERVING_DEPTH,
+    show_default=True,
+    help="The deepest depth accepted in the depth lists (a guard against typos such as '4,160'); raise it on purpose.",
 )
 device_option = click.option("--device", type=click.Choice(DEVICE_CHOICES), default="auto", show_default=True)
 no_progress_option = click.option("--no-progress", is_flag=True, help="No progress bar.")
@@ -286,19 +300,30 @@ def train_run(
     default=None,
     help="Also write the table as an xarray Dataset (HDF5 via h5netcdf).",
 )
+@click.option("--force", is_flag=True, help="Overwrite an existing --out file.")
+@max_depth_option
 @device_option
 @eval_batch_size_option("--batch-size")
 @no_progress_option
 @reports_errors
 def eval_checkpoint(
-    checkpoint: Path, serving: str, out: Path | None, device: str, batch_size: int, no_progress: bool
+    checkpoint: Path,
+    serving: str,
+    out: Path | None,
+    force: bool,
+    max_depth: int,
+    device: str,
+    batch_size: int,
+    no_progress: bool,
 ) -> None:
     """Mean token NLL of CHECKPOINT (a checkpoint or snapshot) at each serving depth on its
     evaluation set; for the bioS task also the recalled bits per person."""
     from common.depths import parse_serving_depths
+    from common.lock import refuse_existing
     from trainer.evaluate import evaluate_checkpoint, format_table
 
-    depths = parse_serving_depths(serving)
+    depths = parse_serving_depths(serving, limit=max_depth)
+    refuse_existing([out] if out is not None else [], force=force)
     ds = evaluate_checkpoint(checkpoint, depths, device=device, batch_size=batch_size, progress=not no_progress)
     click.echo(
         f"{checkpoint}: step {ds.attrs['step']}, {ds.attrs['uniform_updates']} uniform updates, "
@@ -306,11 +331,9 @@ def eval_checkpoint(
     )
     click.echo(format_table(ds))
     if out is not None:
-        from analysis.store import write_dataset
+        from analysis.store import write_results
 
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_dataset(ds, out)
-        click.echo(f"wrote {out}")
+        click.echo(f"wrote {write_results(ds, out, force=force)}")
 
 
 # --- diagnose -------------------------------------------------------------------------------
@@ -328,9 +351,11 @@ def eval_checkpoint(
     "--update-depths",
     default="4,16",
     show_default=True,
-    help="Depths of the compared updates in the --serving grammar, no depth twice; the first is the reference.",
+    help="Depths of the compared updates in the --serving grammar, no depth twice; the first is the reference. "
+    f"At most {MAX_SERVING_DEPTH} unless --max-depth says otherwise.",
 )
 @serving_option
+@max_depth_option
 @click.option(
     "--batches",
     type=click.IntRange(min=1),
@@ -363,8 +388,16 @@ def eval_checkpoint(
     "presentations, NLL over the attribute-value tokens only; auto: attributes for bioS runs, "
     "snapshot otherwise.",
 )
-@click.option("--resume", is_flag=True, help="Continue an interrupted run with the same settings.")
-@click.option("--force", is_flag=True, help="Discard an unfinished run or an existing OUT and start over.")
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue an interrupted run with the same settings (damaged unit files are computed again).",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Discard an unfinished run or an existing OUT and start over (never a live run's: it holds OUT's lock).",
+)
 @no_progress_option
 @reports_errors
 def diagnose(
@@ -372,6 +405,7 @@ def diagnose(
     out: str,
     update_depths: str,
     serving: str,
+    max_depth: int,
     batches: int | None,
     isolate: str,
     rms_match: str,
@@ -389,6 +423,9 @@ def diagnose(
     \b
     Benefit(s) = NLL after the first depth's update - NLL after the last depth's update,
     at each serving depth s: positive favours the last depth's update. See docs/diagnostic.md.
+
+    The run holds OUT's lock (covering OUT.parts/) until it ends; a unit with a non-finite
+    NLL, loss or update RMS (a diverged snapshot) stops it with exit 2, naming the file and batch.
     """
     from common.depths import parse_serving_depths, parse_update_depths
     from diag.run import DiagnoseConfig
@@ -397,8 +434,8 @@ def diagnose(
     config = DiagnoseConfig(
         snapshots=snapshots,
         out=out,
-        update_depths=parse_update_depths(update_depths),
-        serving_depths=parse_serving_depths(serving),
+        update_depths=parse_update_depths(update_depths, limit=max_depth),
+        serving_depths=parse_serving_depths(serving, limit=max_depth),
         batches=batches,
         isolate=isolate,
         rms_match=rms_match,
@@ -408,6 +445,7 @@ def diagnose(
         device=device,
         resume=resume,
         force=force,
+        max_depth=max_depth,
         progress=not no_progress,
     )
     click.echo(f"wrote {run_diagnose(config)}")
@@ -459,11 +497,12 @@ def summarize(results: tuple[Path, ...], as_json: bool, options: IntervalOptions
     )
     from analysis.store import open_results
 
-    ds = open_results(results)
-    warning = _warn_on_mixed_learning_rates(ds, results)
-    rows = summary_table(ds, options=options)
-    has_switch = 0 in ds["uniform_updates"].values
-    phase = finishing_phase(ds, options=options) if has_switch else None
+    with naming_files(results):
+        ds = open_results(results)
+        warning = _warn_on_mixed_learning_rates(ds, results)
+        rows = summary_table(ds, options=options)
+        has_switch = 0 in ds["uniform_updates"].values
+        phase = finishing_phase(ds, options=options) if has_switch else None
     if as_json:
         unit = rows[0]["unit"]
         document = {
@@ -505,22 +544,26 @@ def summarize(results: tuple[Path, ...], as_json: bool, options: IntervalOptions
     required=True,
     help="Image to write (e.g. figures/figure4.png); a PDF is written beside it.",
 )
+@click.option("--force", is_flag=True, help="Overwrite an existing image (and the PDF beside it).")
 @reports_errors
 @interval_options
-def plot(results: tuple[Path, ...], figure_number: str, out: Path, options: IntervalOptions) -> None:
+def plot(results: tuple[Path, ...], figure_number: str, out: Path, force: bool, options: IntervalOptions) -> None:
     """Draw a figure from RESULTS files (several files are several seeds: the error bars and
     bands are then intervals over seeds; with one file they cover batch noise only)."""
-    from analysis.figures import figure4, save_figure
+    from analysis.figures import figure4, figure_paths, save_figure
     from analysis.store import open_results
+    from common.lock import refuse_existing
 
-    ds = open_results(results)
-    _warn_on_mixed_learning_rates(ds, results)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fig = figure4(ds, options=options)
+    refuse_existing(figure_paths(out), force=force)
+    with naming_files(results):
+        ds = open_results(results)
+        _warn_on_mixed_learning_rates(ds, results)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fig = figure4(ds, options=options)
     for warning in caught:
         click.echo(f"depthdiag: warning: {warning.message}", err=True)
-    for path in save_figure(fig, out):
+    for path in save_figure(fig, out, force=force):
         click.echo(f"wrote {path}")
 
 
@@ -546,7 +589,8 @@ def sensitivity(results: tuple[Path, ...], after_updates: int, as_json: bool, op
     """
     from analysis.sensitivity import format_sensitivity_markdown, sensitivity_table
 
-    table = sensitivity_table(results, after_updates=after_updates, options=options)
+    with naming_files(results):
+        table = sensitivity_table(results, after_updates=after_updates, options=options)
     if as_json:
         click.echo(json.dumps(_json_ready(table.to_dict()), indent=2))
     else:

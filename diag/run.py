@@ -8,6 +8,15 @@ settings and the snapshots' sha256, so `--resume` continues only the same
 run, skipping every unit already on disk: a killed run loses at most the unit
 in flight and, resumed, ends with the same file as an uninterrupted run.
 
+The run holds the lock of OUT (common/lock.py) from before it touches anything until it
+ends; the lock covers OUT.parts/ too, so a second run on the same OUT, `--force`
+included, is refused with the holder's pid and deletes nothing. A resumed run opens
+every finished unit file before computing: a damaged one is deleted and computed again
+(with a warning naming it), and a complete OUT whose parts directory survived (a kill
+during the final cleanup) is recognised as complete. A unit with a non-finite NLL,
+training loss or update RMS (a diverged snapshot) stops the run as bad input, naming the
+snapshot file and the batch, and leaves no parts behind.
+
 Ordinary checkpoints (no `batches`) are accepted: their batches are the next
 ones the run itself would have drawn, `build_source(cfg.data).batch(cfg.train.seed,
 step + i, cfg.train.batch_size, cfg.train.seq_len)`.
@@ -19,6 +28,7 @@ import datetime
 import json
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
@@ -29,10 +39,12 @@ import torch
 import xarray as xr
 
 from analysis.store import write_dataset
-from common.atomic import atomic_output
+from common.atomic import atomic_output, remove_stale_temporaries_in
 from common.benefit import benefit_description
 from common.choices import DEVICE_CHOICES, EVAL_SET_CHOICES
+from common.depths import MAX_SERVING_DEPTH
 from common.errors import InputError
+from common.lock import exclusive_output
 from common.progress import progress_bar
 from diag.engine import DiagnosticOptions, UpdateDiagnostic
 from trainer.checkpoint import Snapshot, load_snapshot
@@ -43,6 +55,10 @@ MANIFEST = "manifest.json"
 
 PER_UNIT = ("nll", "benefit", "benefit_all", "update_rms", "rms_scale", "update_cosine", "train_loss")
 """Variables with a value per (snapshot, batch) unit; nll_before is per snapshot."""
+
+MUST_BE_FINITE = {"nll": "NLL", "nll_before": "NLL before the update", "train_loss": "loss", "update_rms": "update RMS"}
+"""A unit's variables that are finite for any model that has not diverged (the cosine and the
+RMS scales may be NaN for a zero update), with the words an error uses for them."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +91,10 @@ class DiagnoseConfig:
     resume: bool = False
     """Continue an interrupted run with the same settings, skipping finished units."""
     force: bool = False
-    """Discard an unfinished run's parts and an existing OUT and start over."""
+    """Discard an unfinished run's parts and an existing OUT and start over (never those of a
+    live run: its lock refuses this run first)."""
+    max_depth: int = MAX_SERVING_DEPTH
+    """The deepest update or serving depth accepted (a guard against typos such as '4,160')."""
     progress: bool = True
     """Show a progress bar over units (on a terminal)."""
     diagnostic: DiagnosticOptions = field(init=False, repr=False, compare=False)
@@ -94,6 +113,9 @@ class DiagnoseConfig:
             raise InputError(f"eval set must be one of {EVAL_SET_CHOICES}, got {self.eval_set!r}")
         if self.resume and self.force:
             raise InputError("--resume and --force contradict each other: pick one")
+        deepest = max((*self.update_depths, *self.serving_depths), default=0)
+        if deepest > self.max_depth:
+            raise InputError(f"depth {deepest} is above the maximum {self.max_depth} (--max-depth N allows deeper)")
         # Built (and so validated, with the engine's own rules) once; each snapshot adds its
         # training settings with `_snapshot_options`.
         options = DiagnosticOptions(
@@ -227,8 +249,13 @@ def _write_json(value: dict, path: Path) -> None:
         tmp.write_text(json.dumps(value, sort_keys=True, indent=1), encoding="utf-8")
 
 
-def _prepare(config: DiagnoseConfig, manifest: dict, out: Path, parts: Path) -> bool:
-    """Check what is on disk against the flags; return False when OUT already holds this run."""
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _prepare(config: DiagnoseConfig, entries: list[_Entry], manifest: dict, out: Path, parts: Path) -> bool:
+    """Check what is on disk against the flags; return False when OUT already holds this run.
+    Called with OUT's lock held: nothing here can belong to a live run."""
     if parts.exists():
         if config.force:
             shutil.rmtree(parts)
@@ -236,6 +263,11 @@ def _prepare(config: DiagnoseConfig, manifest: dict, out: Path, parts: Path) -> 
             raise InputError(
                 f"{parts}: an unfinished diagnose run is here; pass --resume to continue it or --force to start over"
             )
+        elif out.exists() and _finished_manifest(out) == manifest:
+            # Killed while removing the parts of a run that had written OUT: finish the cleanup.
+            shutil.rmtree(parts)
+            _say(f"{out}: already complete; removed {parts}, left over from the end of that run")
+            return False
         else:
             try:
                 stored = json.loads((parts / MANIFEST).read_text(encoding="utf-8"))
@@ -246,6 +278,13 @@ def _prepare(config: DiagnoseConfig, manifest: dict, out: Path, parts: Path) -> 
                     f"{parts}: the unfinished run used other settings or snapshot files; "
                     "rerun it with those or pass --force to start over"
                 )
+            remove_stale_temporaries_in(parts)
+            damaged = _remove_damaged_parts(config, entries, parts)
+            if damaged:
+                _say(
+                    f"warning: {parts}: {len(damaged)} damaged unit file(s) deleted, to be computed again: "
+                    + ", ".join(path.name for path in damaged)
+                )
             return True
     if out.exists() and not config.force:
         if config.resume and _finished_manifest(out) == manifest:
@@ -255,6 +294,51 @@ def _prepare(config: DiagnoseConfig, manifest: dict, out: Path, parts: Path) -> 
     parts.mkdir()
     _write_json(manifest, parts / MANIFEST)
     return True
+
+
+def _part_problem(config: DiagnoseConfig, entry: _Entry, batch: int, path: Path) -> str | None:
+    """Why the unit file `path` cannot be assembled (None: it can)."""
+    try:
+        with xr.open_dataset(path, engine="h5netcdf") as unit:
+            unit = unit.load()
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return str(err).splitlines()[0] if str(err) else type(err).__name__
+    if unit.sizes.get("snapshot") != 1 or unit.sizes.get("batch") != 1:
+        return "not one unit"
+    if str(unit["snapshot"].values[0]) != entry.name or int(unit["batch"].values[0]) != batch:
+        return "another unit's file"
+    for coord, expected in (("update_depth", config.update_depths), ("serving_depth", config.serving_depths)):
+        if coord not in unit.coords or unit[coord].values.tolist() != list(expected):
+            return f"other {coord}s"
+    for name in ("nll", "benefit", "update_rms", "rms_scale", "update_cosine", *MUST_BE_FINITE):
+        if name not in unit:
+            return f"no variable {name!r}"
+    if _non_finite(unit) is not None:
+        return "non-finite values"
+    return None
+
+
+def _remove_damaged_parts(config: DiagnoseConfig, entries: list[_Entry], parts: Path) -> list[Path]:
+    """Delete every finished unit file that cannot be read back as its unit; return them."""
+    damaged = []
+    for entry in entries:
+        for batch in range(entry.batches):
+            path = _part_path(parts, entry, batch)
+            if path.exists() and _part_problem(config, entry, batch, path) is not None:
+                path.unlink()
+                damaged.append(path)
+    return damaged
+
+
+def _non_finite(unit: xr.Dataset) -> str | None:
+    """'NLL (nan)' for the first of a unit's must-be-finite variables that holds a NaN or an
+    infinity, None when all are finite."""
+    for name, words in MUST_BE_FINITE.items():
+        values = np.asarray(unit[name].values, dtype=np.float64)
+        bad = values[~np.isfinite(values)]
+        if bad.size:
+            return f"{words} ({bad[0]})"
+    return None
 
 
 def _finished_manifest(out: Path) -> dict | None:
@@ -305,6 +389,14 @@ def _run_units(config: DiagnoseConfig, entries: list[_Entry], parts: Path, devic
             for i, batch in _batches(snap, todo[entry.name]):
                 bar.set_postfix_str(f"{entry.name} batch {i}")
                 unit = diagnostic.compare(batch)
+                problem = _non_finite(unit)
+                if problem is not None:
+                    # The parts are of a run that cannot finish: none of them is worth keeping.
+                    shutil.rmtree(parts)
+                    raise InputError(
+                        f"{entry.path}: batch {i}: non-finite {problem}; the snapshot's model has diverged "
+                        "or its update overflows, so it cannot be diagnosed (nothing written)"
+                    )
                 write_dataset(unit.expand_dims(snapshot=[entry.name], batch=[i]), _part_path(parts, entry, i))
                 bar.update(1)
             del diagnostic, optimizer, model, snap
@@ -420,9 +512,11 @@ def diagnose(config: DiagnoseConfig) -> Path:
     config = replace(config, eval_set=entries[0].eval_set)
     device = resolve_device(config.device)
     manifest = _manifest(config, entries, device)
-    if not _prepare(config, manifest, out, parts):
-        return out
-    _run_units(config, entries, parts, device)
-    write_dataset(_assemble(config, entries, manifest, parts), out)
-    shutil.rmtree(parts)
+    # Taken before anything on disk is looked at or deleted, held to the end.
+    with exclusive_output(out):
+        if not _prepare(config, entries, manifest, out, parts):
+            return out
+        _run_units(config, entries, parts, device)
+        write_dataset(_assemble(config, entries, manifest, parts), out)
+        shutil.rmtree(parts)
     return out

@@ -80,3 +80,31 @@ def test_training_over_a_file_size_limit_fails_the_run_with_exit_3(toy_run, tmp_
     assert result.returncode == 3, result.stderr
     assert result.stderr.count("\n") == 1 and "File too large" in result.stderr and "step " in result.stderr
     assert not [p for p in run_dir.rglob("*") if ".tmp" in p.name]
+
+
+def test_eval_out_takes_the_lock_and_refuses_an_existing_file_unless_forced(toy_run, tmp_path):
+    from test_lock import start_holder
+
+    snapshot = sorted((toy_run / "run" / "snapshots").glob("*.pt"))[0]
+    out = tmp_path / "eval.h5"
+    args = ["eval", str(snapshot), "--serving", "1-2", "--out", str(out), "--no-progress"]
+    runner = CliRunner()
+    assert runner.invoke(main, args).exit_code == 0
+    first = out.read_bytes()
+    result = runner.invoke(main, args)
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        f"depthdiag: error: {out}: already exists; pass --force to overwrite it"
+    ]
+    assert out.read_bytes() == first
+    holder = start_holder(out)
+    try:
+        result = runner.invoke(main, [*args, "--force"])
+        assert result.exit_code == 2 and f"pid {holder.pid}" in result.stderr and str(out) in result.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+    assert runner.invoke(main, [*args, "--force"]).exit_code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.h5"]
+    result = runner.invoke(main, ["eval", str(snapshot), "--serving", "1-65", "--no-progress"])
+    assert result.exit_code == 2 and "--max-depth" in result.stderr

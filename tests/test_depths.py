@@ -34,3 +34,10 @@ def test_serving_depths_have_a_ceiling_and_update_depths_no_repeats():
         parse_update_depths("4,1-4")
     with pytest.raises(InputError, match="--serving-depths"):
         parse_serving_depths("x", "--serving-depths")
+
+
+def test_update_depths_share_the_ceiling_and_an_explicit_limit_lifts_both():
+    with pytest.raises(InputError, match=f"depth {MAX_SERVING_DEPTH + 1} is above the maximum.*--max-depth"):
+        parse_update_depths(f"4,{MAX_SERVING_DEPTH + 1}")
+    assert parse_update_depths("4,100", limit=100) == (4, 100)
+    assert parse_serving_depths("1-2,100", limit=100) == (1, 2, 100)

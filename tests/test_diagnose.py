@@ -301,3 +301,156 @@ def test_killed_run_resumed_equals_uninterrupted_run(run, tmp_path, monkeypatch)
     assert len(computed) == 2 * CARRIED - finished  # finished units are reused, not recomputed
     assert not parts.exists()
     xr.testing.assert_identical(comparable(out), comparable(full))
+
+
+# --- one writer per output, resume that finishes what it can, bounded depths, non-finite units ---
+
+SMALL = ["--update-depths", "2,5", "--serving", "1-3", "--no-progress"]
+
+
+def listing(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_a_live_runs_output_and_parts_are_never_touched_by_a_second_run(run, tmp_path):
+    from test_lock import start_holder
+
+    out, parts = tmp_path / "r.h5", tmp_path / "r.h5.parts"
+    parts.mkdir()
+    (parts / "manifest.json").write_text("{}")
+    (parts / "snap-u00.b00000.h5").write_bytes(b"a finished unit")
+    out.write_bytes(b"a finished file")
+    before = listing(parts)
+    holder = start_holder(out)  # a diagnose on OUT in another process, as far as the lock goes
+    try:
+        for flag in ("--force", "--resume"):
+            result = cli(run[2], "--out", out, "--batches", 1, *SMALL, flag)
+            assert result.exit_code == 2, result.output
+            assert result.stderr.strip().splitlines() == [
+                f"depthdiag: error: {out}: in use by another depthdiag process (pid {holder.pid}); "
+                "wait for it to finish or stop it"
+            ]
+            assert listing(parts) == before and out.read_bytes() == b"a finished file"
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder gone (however it ended), --force starts over.
+    assert cli(run[2], "--out", out, "--batches", 1, *SMALL, "--force").exit_code == 0
+    assert not parts.exists() and open_results(out).sizes["batch"] == 1
+
+
+def test_the_lock_is_held_for_the_whole_run(run, tmp_path, monkeypatch):
+    from common.lock import lock_path
+
+    out = tmp_path / "r.h5"
+    held = []
+    compare = diag.UpdateDiagnostic.compare
+    monkeypatch.setattr(
+        diag.UpdateDiagnostic,
+        "compare",
+        lambda self, batch: held.append(lock_path(out).read_text().strip()) or compare(self, batch),
+    )
+    assert cli(run[2], "--out", out, "--batches", 2, *SMALL).exit_code == 0
+    assert held == [str(os.getpid())] * 2 and not lock_path(out).exists()
+
+
+def interrupted_run(run, out: Path, monkeypatch, *, finished: int) -> None:
+    """Leave OUT.parts/ with `finished` of the snapshot's 4 units done, as a crash would."""
+    calls = []
+    compare = diag.UpdateDiagnostic.compare
+
+    def crash_after(self, batch):
+        if len(calls) == finished:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return compare(self, batch)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(diag.UpdateDiagnostic, "compare", crash_after)
+        result = cli(run[2], "--out", out, "--batches", 4, *SMALL)
+    assert result.exit_code != 0 and len(finished_parts(out.with_name(out.name + ".parts"))) == finished
+
+
+def test_resume_after_a_kill_during_the_cleanup_accepts_the_complete_file(run, tmp_path, monkeypatch):
+    out, parts = tmp_path / "r.h5", tmp_path / "r.h5.parts"
+    interrupted_run(run, out, monkeypatch, finished=2)
+    leftover = listing(parts)
+    assert cli(run[2], "--out", out, "--batches", 4, *SMALL, "--resume").exit_code == 0
+    complete = out.read_bytes()
+    # A kill in the parts' removal: OUT complete, some parts (the manifest gone first) still there.
+    parts.mkdir()
+    for name, data in leftover.items():
+        if name != "manifest.json":
+            (parts / name).write_bytes(data)
+    computed = []
+    monkeypatch.setattr(diag.UpdateDiagnostic, "compare", lambda self, batch: computed.append(1))
+    result = cli(run[2], "--out", out, "--batches", 4, *SMALL, "--resume")
+    assert result.exit_code == 0, result.output
+    assert "already complete" in result.stderr and str(parts) in result.stderr
+    assert not parts.exists() and out.read_bytes() == complete and computed == []
+
+
+def test_resume_recomputes_damaged_unit_files_and_removes_stale_temporaries(run, tmp_path, monkeypatch):
+    full = tmp_path / "full.h5"
+    assert cli(run[2], "--out", full, "--batches", 4, *SMALL).exit_code == 0
+    out, parts = tmp_path / "r.h5", tmp_path / "r.h5.parts"
+    interrupted_run(run, out, monkeypatch, finished=3)
+    damaged = parts / "snap-u00.b00001.h5"
+    damaged.write_bytes(damaged.read_bytes()[:200])  # a torn write of an older version, a bad disk
+    stale_part = parts / ".snap-u00.b00003.h5.abcd1234.tmp.h5"  # what kill -9 leaves in a write
+    stale_out = tmp_path / ".r.h5.abcd1234.tmp.h5"
+    for path in (stale_part, stale_out):
+        path.write_bytes(b"half")
+    seen = []
+    compare = diag.UpdateDiagnostic.compare
+    monkeypatch.setattr(
+        diag.UpdateDiagnostic,
+        "compare",
+        lambda self, batch: seen.append((stale_part.exists(), stale_out.exists())) or compare(self, batch),
+    )
+    result = cli(run[2], "--out", out, "--batches", 4, *SMALL, "--resume")
+    assert result.exit_code == 0, result.output
+    (warning,) = [line for line in result.stderr.splitlines() if "damaged" in line]
+    assert warning.startswith(f"warning: {parts}: 1 damaged unit file") and damaged.name in warning
+    assert seen == [(False, False)] * 2  # the damaged unit and the one never finished
+    xr.testing.assert_identical(comparable(out), comparable(full))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full.h5", "r.h5"]
+
+
+def test_depths_are_bounded_unless_max_depth_allows_more(run, tmp_path):
+    out = tmp_path / "r.h5"
+    for option, value in (("--update-depths", "2,65"), ("--serving", "1-65")):
+        result = cli(run[2], "--out", out, "--batches", 1, option, value)
+        assert result.exit_code == 2, result.output
+        (line,) = result.stderr.strip().splitlines()
+        assert option in line and "<= 64" in line and "--max-depth" in line
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(InputError, match="depth 65 is above the maximum 64"):
+        DiagnoseConfig(snapshots=(str(run[2]),), out=str(out), update_depths=(2, 65))
+    result = cli(run[2], "--out", out, "--batches", 1, "--update-depths", "2,65", "--serving", "65", "--max-depth", 65)
+    assert result.exit_code == 0, result.output
+    assert open_results(out)["update_depth"].values.tolist() == [2, 65]
+    assert "--max-depth" in CliRunner().invoke(main, ["diagnose", "--help"]).output
+
+
+def test_a_non_finite_unit_stops_the_run_naming_the_snapshot_and_batch(run, tmp_path, monkeypatch):
+    out, parts = tmp_path / "r.h5", tmp_path / "r.h5.parts"
+    calls = []
+    compare = diag.UpdateDiagnostic.compare
+
+    def diverged_at_the_second(self, batch):
+        unit = compare(self, batch)
+        calls.append(1)
+        if len(calls) == 2:
+            unit["nll"][...] = np.nan  # what a diverged model's update gives
+        return unit
+
+    with monkeypatch.context() as patch:
+        patch.setattr(diag.UpdateDiagnostic, "compare", diverged_at_the_second)
+        result = cli(run[2], "--out", out, "--batches", 3, *SMALL)
+    assert result.exit_code == 2, result.output
+    (line,) = [line for line in result.stderr.splitlines() if not line.startswith("warning:")]
+    assert line.startswith("depthdiag: error: ") and f"{run[2]}: batch 1: non-finite NLL (nan)" in line
+    assert not out.exists() and not parts.exists() and list(tmp_path.iterdir()) == []
+    # Nothing is in the way of the next run, without --force.
+    assert cli(run[2], "--out", out, "--batches", 3, *SMALL).exit_code == 0

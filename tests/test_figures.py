@@ -266,3 +266,65 @@ def test_bad_results_files_exit_2_with_one_line(tmp_path, name):
     assert bad.exit_code == 2
     assert len(bad.stderr.strip().splitlines()) == 1 and str(garbage) in bad.stderr
     assert not figure.exists()
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+@pytest.mark.parametrize("name", ["summarize", "plot"])
+def test_results_without_finite_benefit_data_are_refused_naming_the_file(tmp_path, name, bad):
+    path = tmp_path / "diverged.h5"
+    ds = results()
+    if bad == "nan":
+        ds["benefit"][...] = np.nan  # every unit missing: it printed "0 batches", drew an empty figure
+    else:
+        ds["benefit"][1, 2, 3] = np.inf
+    write_dataset(ds, path)
+    figure = tmp_path / "figure.png"
+    command = ["summarize"] if name == "summarize" else ["plot", "--out", str(figure)]
+    result = CliRunner().invoke(main, [*command, str(path)])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"depthdiag: error: {path}: ") and ("no finite benefit" in line or "infinite" in line)
+    assert result.stdout == "" and not figure.exists() and not figure.with_suffix(".pdf").exists()
+
+
+def test_every_plot_error_names_the_results_file(tmp_path):
+    path = tmp_path / "late.h5"
+    write_dataset(results(uniform_updates=(4, 8)), path)  # no switch snapshot to draw
+    result = CliRunner().invoke(main, ["plot", str(path), "--out", str(tmp_path / "f.png")])
+    assert result.exit_code == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"depthdiag: error: {path}: no snapshot after 0, 16 uniform updates")
+
+
+def test_plot_refuses_an_existing_image_or_pdf_unless_forced_and_a_held_one(tmp_path):
+    from test_lock import start_holder
+
+    path = tmp_path / "results.h5"
+    write_dataset(results(), path)
+    out = tmp_path / "figure4.png"
+    pdf = out.with_suffix(".pdf")
+    runner = CliRunner()
+
+    def plot(*flags):
+        return runner.invoke(main, ["plot", str(path), "--out", str(out), *flags])
+
+    pdf.write_bytes(b"an older figure")
+    result = plot()
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        f"depthdiag: error: {pdf}: already exists; pass --force to overwrite it"
+    ]
+    assert pdf.read_bytes() == b"an older figure" and not out.exists()
+    assert plot("--force").exit_code == 0 and pdf.read_bytes()[:5] == b"%PDF-"
+    assert plot().exit_code == 2  # now the image exists too
+    holder = start_holder(pdf)
+    try:
+        result = plot("--force")
+        assert (
+            result.exit_code == 2 and f"{pdf}: in use by another depthdiag process (pid {holder.pid})" in result.stderr
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+    assert plot("--force").exit_code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["figure4.pdf", "figure4.png", "results.h5"]

@@ -58,3 +58,63 @@ def test_lock_is_released_on_an_exception_and_can_be_taken_again(tmp_path):
     with exclusive_output(output):
         pass
     assert list(tmp_path.iterdir()) == []
+
+
+KILLED_WRITER = """
+import os, signal, sys
+from common.atomic import atomic_output
+with atomic_output(sys.argv[1]) as tmp:
+    tmp.write_text("half of it")
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_taking_the_lock_removes_the_temporaries_a_killed_writer_left(tmp_path):
+    output = tmp_path / "results.h5"
+    writer = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(output)])
+    assert writer.returncode == -signal.SIGKILL
+    (left,) = [p for p in tmp_path.iterdir() if ".tmp" in p.name]  # what kill -9 leaves
+    assert left.name.startswith(".results.h5.") and left.name.endswith(".tmp.h5")
+    output.write_text("the finished file")
+    kept = [
+        tmp_path / ".other.h5.abcd1234.tmp.h5",  # another output's
+        tmp_path / ".results.h5.notes",  # not a temporary
+        tmp_path / ".results.h5.abcd1234.tmp.png",  # another suffix: not one of results.h5's
+    ]
+    for path in kept:
+        path.write_text("")
+    with exclusive_output(output):
+        assert not left.exists()
+        assert all(path.exists() for path in kept) and output.read_text() == "the finished file"
+
+
+def test_stale_temporaries_in_a_directory_only_atomic_outputs(tmp_path):
+    from common.atomic import remove_stale_temporaries_in
+
+    stale = [tmp_path / ".a.b00001.h5.x_y12345.tmp.h5", tmp_path / ".manifest.json.abcdefgh.tmp.json"]
+    kept = [tmp_path / "a.b00000.h5", tmp_path / ".hidden", tmp_path / ".a.h5.short.tmp.h5"]
+    for path in stale + kept:
+        path.write_text("")
+    assert remove_stale_temporaries_in(tmp_path) == sorted(stale)
+    assert sorted(tmp_path.iterdir()) == sorted(kept)
+
+
+def test_claimed_outputs_refuse_an_existing_output_unless_forced_and_a_held_one_always(tmp_path):
+    from common.lock import claimed_outputs
+
+    image, pdf = tmp_path / "f.png", tmp_path / "f.pdf"
+    pdf.write_text("old")
+    with pytest.raises(InputError, match=f"{pdf}: already exists; pass --force"):
+        with claimed_outputs([image, pdf], force=False):
+            pass
+    with claimed_outputs([image, pdf], force=True) as paths:
+        assert paths == [image, pdf] and pdf.read_text() == "old"  # --force overwrites, never deletes
+    holder = start_holder(pdf)
+    try:
+        with pytest.raises(InputError, match=f"pid {holder.pid}"):
+            with claimed_outputs([image, pdf], force=True):
+                pass
+        assert not lock_path(image).exists()  # the lock taken first is let go again
+    finally:
+        holder.kill()
+        holder.wait()
