@@ -42,7 +42,7 @@ TRAINER_SOURCES := $(filter-out trainer/corpus.py,$(wildcard trainer/*.py)) $(wi
 DIAG_SOURCES := $(wildcard diag/*.py)
 ANALYSIS_SOURCES := $(wildcard analysis/*.py)
 
-.PHONY: setup figure4 figure4-files summary reference sensitivity test test-slow bench flops clean corpus lint
+.PHONY: setup figure4 figure4-files summary reference sensitivity monitor test test-slow bench flops clean corpus lint
 .DELETE_ON_ERROR:
 
 setup: $(VENV)/.installed
@@ -113,6 +113,22 @@ $(SENSITIVITY).md: $(SENSITIVITY_RESULTS) $(ANALYSIS_SOURCES)
 
 sensitivity: $(VENV)/.installed
 	$(MAKE) --no-print-directory -j $(JOBS) $(SENSITIVITY).md
+
+# The in-training monitor's figure and summary of every seed's run, for a config with a
+# [monitor] block: make monitor CONFIG=configs/tiny-monitor.toml (trains the runs if needed).
+MONITOR_OUTPUTS := $(foreach seed,$(SEEDS),$(RESULTS)/monitor-seed$(seed).png $(RESULTS)/monitor-seed$(seed).txt)
+
+$(RESULTS)/monitor-seed%.png: $(RUNS)/seed%/summary.json $(ANALYSIS_SOURCES)
+	mkdir -p $(dir $@)
+	$(DEPTHDIAG) plot $(RUNS)/seed$*/monitor.h5 --figure monitor --out $@
+
+$(RESULTS)/monitor-seed%.txt: $(RUNS)/seed%/summary.json $(ANALYSIS_SOURCES)
+	mkdir -p $(dir $@)
+	$(DEPTHDIAG) summarize $(RUNS)/seed$*/monitor.h5 > $@.tmp && mv $@.tmp $@
+
+monitor: $(VENV)/.installed
+	$(MAKE) --no-print-directory -j $(JOBS) $(MONITOR_OUTPUTS)
+	cat $(filter %.txt,$(MONITOR_OUTPUTS))
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

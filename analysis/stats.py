@@ -556,3 +556,74 @@ def mixed_learning_rate_warning(ds: xr.Dataset, files, *, seed_dim: str = "seed"
             parts = (f"lr {rate:g} ({' '.join(names)})" for rate, names in by_rate.items())
             described.append(f"{file}: " + ", ".join(parts))
     return "snapshots were diagnosed at different learning rates: " + "; ".join(described)
+
+
+# --- the in-training monitor (RUN/monitor.h5, analysis/monitor.py) ---------------------------
+
+
+def monitor_benefit_map(ds: xr.Dataset) -> xr.DataArray:
+    """The batch-mean benefit of a monitor Dataset over (step, serving_depth) (NaN batches skipped)."""
+    benefit = ds["benefit"].mean("batch", skipna=True).transpose("step", "serving_depth")
+    benefit.attrs = dict(ds["benefit"].attrs)
+    return benefit
+
+
+def monitor_depth_averaged_benefit(ds: xr.Dataset, *, options: IntervalOptions = IntervalOptions()) -> xr.Dataset:
+    """Per step of a monitor Dataset: the benefit averaged over serving depths within each
+    batch, then mean/lower/upper/n over the check's batches (one run: batch noise only)."""
+    intervals = interval_over(_depth_averaged_per_batch(ds), "batch", options=options)
+    return _describe(intervals, ds, "batch", options)
+
+
+def monitor_summary_table(ds: xr.Dataset, *, options: IntervalOptions = IntervalOptions()) -> list[dict]:
+    """One row per check of a monitor Dataset: step, lr, phase ('fixed' before the schedule's
+    switch, 'switch', 'finish' after it; '' without a switch), and the depth-averaged benefit
+    with its interval over batches (mean, lower, upper, n, excludes_zero)."""
+    intervals = monitor_depth_averaged_benefit(ds, options=options)
+    switch = int(ds.attrs.get("switch_step", -1))
+    rows = []
+    for index, step in enumerate(int(s) for s in ds["step"].values):
+        row = intervals.isel(step=index)
+        lower, upper = float(row["lower"]), float(row["upper"])
+        phase = "" if switch < 0 else "fixed" if step < switch else "switch" if step == switch else "finish"
+        rows.append(
+            {
+                "step": step,
+                "lr": float(ds["lr"].values[index]),
+                "phase": phase,
+                "mean": float(row["mean"]),
+                "lower": lower,
+                "upper": upper,
+                "n": int(row["n"]),
+                "unit": "batch",
+                "excludes_zero": bool(lower > 0 or upper < 0),
+            }
+        )
+    return rows
+
+
+def format_monitor_summary(rows: list[dict], *, level: float = 0.95, method: Method = "t") -> str:
+    """The monitor's summary: what the interval is, then a line per check."""
+    counts = sorted({row["n"] for row in rows})
+    n = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}" if counts else "0"
+    lines = [
+        f"monitor: depth-averaged benefit per step; {level:.0%} {method_name(method)} CI over the check's "
+        f"batches of one run (n = {n}): batch noise only, not run-to-run variation"
+    ]
+    percent = f"{level * 100:g}%"
+    header = ("step", "phase", "lr", "mean benefit", f"{percent} CI", "n", "CI excludes 0")
+    cells = [
+        (
+            str(row["step"]),
+            row["phase"] or "-",
+            f"{row['lr']:.3g}",
+            f"{row['mean']:+.4f}",
+            format_bounds(row["lower"], row["upper"]),
+            f"{row['n']} {plural('batch', row['n'])}",
+            "yes" if row["excludes_zero"] else "no",
+        )
+        for row in rows
+    ]
+    widths = [max(len(line[i]) for line in [header, *cells]) for i in range(len(header))]
+    lines += ["  ".join(cell.rjust(width) for cell, width in zip(line, widths)) for line in [header, *cells]]
+    return "\n".join(lines)

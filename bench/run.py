@@ -4,7 +4,8 @@ Each figure is a ratio of two sides measured alternately in this run (never an
 absolute time compared with a threshold), printed next to its target. The README's
 performance table is rendered from the written file by bench/report.py.
 
-    .venv/bin/python bench/run.py [--config configs/tiny.toml] [--out bench/results.json]
+    .venv/bin/python bench/run.py [--config configs/tiny.toml] [--monitor-config configs/tiny-monitor.toml]
+                                  [--out bench/results.json]
 """
 
 from __future__ import annotations
@@ -105,6 +106,13 @@ def figures(results: dict) -> list[dict]:
             "unit": "",
         },
         {
+            "benchmark": "in-training monitor at its default setting, fraction of training time",
+            "measured": results["monitor"]["fraction"],
+            "target": "<= 0.15",
+            "holds": results["monitor"]["fraction"] <= 0.15,
+            "unit": "",
+        },
+        {
             "benchmark": "`depthdiag --help` wall time",
             "measured": results["help_seconds"],
             "target": "< 0.5",
@@ -128,11 +136,17 @@ def format_table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/tiny.toml")
+    parser.add_argument(
+        "--monitor-config",
+        default="configs/tiny-monitor.toml",
+        help="The run (with its [monitor] setting) whose monitor overhead is measured.",
+    )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results.json"))
     args = parser.parse_args()
 
     import bench_diag
     import bench_model
+    import bench_monitor
     import bench_train
 
     began = time.perf_counter()
@@ -144,6 +158,8 @@ def main() -> None:
     for name, module in (("model", bench_model), ("train", bench_train), ("diag", bench_diag)):
         print(f"bench: {name} ...", file=sys.stderr, flush=True)
         results[name] = module.run(args.config) if name != "train" else module.run(args.config, [])
+    print("bench: monitor ...", file=sys.stderr, flush=True)
+    results["monitor"] = bench_monitor.run(args.monitor_config)
     results["figures"] = figures(results)
     results["seconds"] = time.perf_counter() - began
     out = Path(args.out)

@@ -268,7 +268,8 @@ def train_run(
     config_path: str, out: str | None, overrides: tuple[str, ...], resume_dir: str | None, no_progress: bool
 ) -> None:
     """Train the looped transformer CONFIG describes: metrics, checkpoints and
-    switch-point snapshots go to the run directory.
+    switch-point snapshots go to the run directory, and with a [monitor] block the
+    in-training update diagnostic to RUN/monitor.h5.
 
     \b
     Under torchrun every process runs this and rank 0 writes the files:
@@ -277,12 +278,13 @@ def train_run(
     import os
 
     # Imported here: torch takes seconds to load and `depthdiag --help` should not wait for it.
+    from diag.monitor import train_with_monitor
     from trainer.config import load_config
-    from trainer.train import resolve_run_dir, train
+    from trainer.train import resolve_run_dir
 
     config = load_config(config_path, overrides)
     run_dir, resume = resolve_run_dir(config_path, out, resume_dir)
-    summary = train(config, run_dir, resume=resume, progress=not no_progress)
+    summary = train_with_monitor(config, run_dir, resume=resume, progress=not no_progress)
     if os.environ.get("RANK", "0") == "0":
         click.echo(
             f"trained {summary.updates:,} updates into {summary.run_dir} "
@@ -474,6 +476,37 @@ def _warn_on_mixed_learning_rates(ds, results: tuple[Path, ...]) -> str | None:
     return warning
 
 
+def _monitor_file(results: tuple[Path, ...]) -> Path | None:
+    """The monitor file among RESULTS when it is the only file; None when none is one."""
+    from analysis.monitor import is_monitor_file
+
+    monitors = [path for path in results if is_monitor_file(path)]
+    if monitors and len(results) > 1:
+        raise InputError(f"{monitors[0]}: a monitor file is summarised or drawn on its own, not with other files")
+    return monitors[0] if monitors else None
+
+
+def _summarize_monitor(path: Path, as_json: bool, options: IntervalOptions) -> None:
+    from analysis.monitor import open_monitor
+    from analysis.stats import format_monitor_summary, interval_coverage, monitor_summary_table
+
+    ds = open_monitor(path)
+    rows = monitor_summary_table(ds, options=options)
+    if as_json:
+        document = {
+            "monitor": str(path),
+            **dataclasses.asdict(options),
+            "unit": "batch",
+            "covers": interval_coverage("batch"),
+            "switch_step": ds.attrs.get("switch_step"),
+            "rows": rows,
+        }
+        click.echo(json.dumps(_json_ready(document), indent=2))
+        return
+    click.echo(f"{path}: {ds.attrs.get('schedule', '')}, switch at step {ds.attrs.get('switch_step')}")
+    click.echo(format_monitor_summary(rows, level=options.level, method=options.method))
+
+
 @main.command()
 @click.argument("results", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (NaN as null).")
@@ -486,7 +519,11 @@ def summarize(results: tuple[Path, ...], as_json: bool, options: IntervalOptions
     Several RESULTS files are several training seeds of one experiment: the headline
     interval is then over per-seed means (n = seeds), and the within-seed interval over
     batches is shown as batch noise only. One file gives the batch interval alone.
+    A run's monitor file (RUN/monitor.h5) gives the depth-averaged benefit per training step.
     """
+    if _monitor_file(results) is not None:
+        _summarize_monitor(results[0], as_json, options)
+        return
     from analysis.stats import (
         describe_intervals,
         finishing_phase,
@@ -533,10 +570,10 @@ def summarize(results: tuple[Path, ...], as_json: bool, options: IntervalOptions
 @click.option(
     "--figure",
     "figure_number",
-    type=click.Choice(["4"]),
+    type=click.Choice(["4", "monitor"]),
     default="4",
     show_default=True,
-    help="Which of the paper's figures to draw.",
+    help="Which figure: the paper's Figure 4 (results files), or a run's monitor file (RUN/monitor.h5).",
 )
 @click.option(
     "--out",
@@ -549,18 +586,25 @@ def summarize(results: tuple[Path, ...], as_json: bool, options: IntervalOptions
 @interval_options
 def plot(results: tuple[Path, ...], figure_number: str, out: Path, force: bool, options: IntervalOptions) -> None:
     """Draw a figure from RESULTS files (several files are several seeds: the error bars and
-    bands are then intervals over seeds; with one file they cover batch noise only)."""
-    from analysis.figures import figure4, figure_paths, save_figure
+    bands are then intervals over seeds; with one file they cover batch noise only).
+    `--figure monitor` draws a run's RUN/monitor.h5."""
+    from analysis.figures import figure4, figure_paths, monitor_figure, save_figure
+    from analysis.monitor import open_monitor
     from analysis.store import open_results
     from common.lock import refuse_existing
 
     refuse_existing(figure_paths(out), force=force)
+    monitor = _monitor_file(results)
+    if (monitor is not None) != (figure_number == "monitor"):
+        wanted = "a monitor file (RUN/monitor.h5)" if figure_number == "monitor" else "results files"
+        raise InputError(f"{results[0]}: --figure {figure_number} draws {wanted}")
     with naming_files(results):
-        ds = open_results(results)
-        _warn_on_mixed_learning_rates(ds, results)
+        ds = open_monitor(monitor) if monitor is not None else open_results(results)
+        if monitor is None:
+            _warn_on_mixed_learning_rates(ds, results)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            fig = figure4(ds, options=options)
+            fig = monitor_figure(ds, options=options) if monitor is not None else figure4(ds, options=options)
     for warning in caught:
         click.echo(f"depthdiag: warning: {warning.message}", err=True)
     for path in save_figure(fig, out, force=force):

@@ -272,16 +272,17 @@ class UpdateDiagnostic:
             if self.options.precision == "bf16"
             else contextlib.nullcontext()
         )
-        with torch.enable_grad(), autocast, _module_mode(self.model, training=True):
-            output = torch.func.functional_call(
-                self.model, self._state(leaves), (batch[:, :-1],), {self.options.depth_kwarg: int(depth)}
-            )
-        logits = output_logits(output)  # [B, T, V]
-        targets = batch[:, 1:]
-        # Summed, then divided by the counted targets: the training loop's form, to the bit.
-        loss = F.cross_entropy(
-            logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-        ) / float((targets != IGNORE_INDEX).sum())
+        with torch.enable_grad():  # a caller's no_grad must not leave the loss without a graph
+            with autocast, _module_mode(self.model, training=True):
+                output = torch.func.functional_call(
+                    self.model, self._state(leaves), (batch[:, :-1],), {self.options.depth_kwarg: int(depth)}
+                )
+            logits = output_logits(output)  # [B, T, V]
+            targets = batch[:, 1:]
+            # Summed, then divided by the counted targets: the training loop's form, to the bit.
+            loss = F.cross_entropy(
+                logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+            ) / float((targets != IGNORE_INDEX).sum())
         trainable = [name for name in leaves if self.requires_grad[name]]
         grads = torch.autograd.grad(loss, [leaves[n] for n in trainable], allow_unused=True)
         grads = [torch.zeros_like(leaves[n]) if g is None else g for n, g in zip(trainable, grads)]

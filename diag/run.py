@@ -47,6 +47,7 @@ from common.errors import InputError
 from common.lock import exclusive_output
 from common.progress import progress_bar
 from diag.engine import DiagnosticOptions, UpdateDiagnostic
+from diag.evalset import evaluation_set, resolve_eval_set
 from trainer.checkpoint import Snapshot, load_snapshot
 from trainer.data import build_source
 from trainer.distributed import resolve_device
@@ -213,15 +214,7 @@ def _entries(config: DiagnoseConfig) -> list[_Entry]:
 
 
 def _resolve_eval_set(choice: str, snap: Snapshot) -> str:
-    bios = snap.config.data.source == "bios"
-    if choice == "auto":
-        return "attributes" if bios else "snapshot"
-    if choice == "attributes" and not bios:
-        raise InputError(
-            f"{snap.path}: --eval-set attributes needs a bioS run, this one reads "
-            f"data.source={snap.config.data.source!r}"
-        )
-    return choice
+    return resolve_eval_set(choice, snap.config, snap.path)
 
 
 def _manifest(config: DiagnoseConfig, entries: list[_Entry], device: torch.device) -> dict:
@@ -404,10 +397,7 @@ def _run_units(config: DiagnoseConfig, entries: list[_Entry], parts: Path, devic
 
 def _evaluation_set(config: DiagnoseConfig, snap: Snapshot) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(eval_tokens, eval_mask) for the chosen evaluation set."""
-    if config.eval_set == "snapshot":
-        return snap.eval_tokens, None
-    source = build_source(snap.config.data)
-    return source.attribute_eval(snap.config.data.eval_sequences, snap.config.train.seq_len)
+    return evaluation_set(config.eval_set, snap.config, snap.eval_tokens)
 
 
 def _bias_correction_warning(entry: _Entry, optimizer: torch.optim.Optimizer) -> str | None:

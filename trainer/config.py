@@ -6,6 +6,7 @@ and results file.
     [data]   DataConfig
     [optim]  OptimConfig
     [train]  TrainConfig
+    [monitor] MonitorConfig (optional: left out of the JSON while it is the default, off)
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from common.choices import DEVICE_CHOICES, PRECISION_CHOICES
+from common.choices import DEVICE_CHOICES, EVAL_SET_CHOICES, PRECISION_CHOICES
+from common.depths import MAX_SERVING_DEPTH
 from common.errors import InputError
 from trainer.model import ModelConfig
 from trainer.schedules import parse_schedule
@@ -138,7 +140,62 @@ class TrainConfig:
             raise InputError(f"train.schedule: {err}") from None
 
 
-SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig}
+@dataclass(frozen=True)
+class MonitorConfig:
+    """The in-training update diagnostic (diag/monitor.py): it never changes the training
+    itself, only adds RUN/monitor.h5. A check runs after `step` updates for every positive
+    multiple of `every` up to train.updates and at the schedule's switch step. Step 0 is
+    not checked: the optimizer has no state yet, so Adam's first update is sign-like (its
+    bias correction) and says nothing about the loss surface."""
+
+    every: int = 0
+    """Run a check every this many updates; 0: no monitor (the default)."""
+    batches: int = 2
+    """Diagnostic batches per check, drawn from the run's data source through a stream of their
+    own (never the training batches); the interval over them is batch noise of one run only."""
+    update_depths: tuple[int, ...] = (4, 16)
+    """Depths of the compared updates; the first is the reference, the benefit is against the last."""
+    serving_depths: tuple[int, ...] = tuple(range(1, 17))
+    """Depths every updated model is evaluated at."""
+    eval_sequences: int = 16
+    """Evaluation sequences each check scores (the run's evaluation set drawn at this size): the
+    cost of a check grows with it."""
+    eval_set: str = "auto"
+    """'auto' (bioS: 'attributes', the attribute-value tokens of the evaluation presentations, as
+    `depthdiag diagnose` scores them; other data: 'snapshot', the held-out set), or either by name."""
+
+    def __post_init__(self) -> None:
+        for name in ("update_depths", "serving_depths"):
+            depths = tuple(getattr(self, name))
+            object.__setattr__(self, name, depths)
+            if any(isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= MAX_SERVING_DEPTH for d in depths):
+                raise InputError(f"monitor.{name} must be depths in 1..{MAX_SERVING_DEPTH}, got {list(depths)}")
+            if len(set(depths)) != len(depths):
+                raise InputError(f"monitor.{name} must not repeat a depth, got {list(depths)}")
+        if len(self.update_depths) < 2:
+            raise InputError(f"monitor.update_depths needs at least two depths, got {list(self.update_depths)}")
+        if not self.serving_depths:
+            raise InputError("monitor.serving_depths must not be empty")
+        if self.every < 0:
+            raise InputError(f"monitor.every must be >= 0 (0: off), got {self.every}")
+        for name in ("batches", "eval_sequences"):
+            if getattr(self, name) < 1:
+                raise InputError(f"monitor.{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_set not in EVAL_SET_CHOICES:
+            raise InputError(f"monitor.eval_set must be one of {', '.join(EVAL_SET_CHOICES)}, got {self.eval_set!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "train": TrainConfig,
+    "monitor": MonitorConfig,
+}
 
 
 @dataclass(frozen=True)
@@ -151,12 +208,25 @@ class RunConfig:
     """Optimizer and learning-rate schedule."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Depth schedule, length, batch shape, checkpoints and snapshots."""
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    """The in-training update diagnostic (off by default)."""
 
     def __post_init__(self) -> None:
         if self.train.seq_len > self.model.max_seq_len:
             raise InputError(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+        if self.monitor.eval_set == "attributes" and self.data.source != "bios":
+            raise InputError(f"monitor.eval_set='attributes' needs data.source='bios', got {self.data.source!r}")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Every section as a dict; [monitor] only when it differs from the default (off), so a
+        run without a monitor stores exactly the config it stored before the monitor existed."""
+        values = self.all_sections()
+        if self.monitor == MonitorConfig():
+            del values["monitor"]
+        return values
+
+    def all_sections(self) -> dict[str, dict[str, Any]]:
+        """Every section as a dict, [monitor] included even when it is the default."""
         return {name: asdict(getattr(self, name)) for name in SECTIONS}
 
     def to_json(self) -> str:
@@ -203,7 +273,7 @@ class RunConfig:
     def with_overrides(self, assignments: list[str] | tuple[str, ...]) -> RunConfig:
         """Apply `section.key=value` assignments; values parse as TOML literals
         (numbers, booleans, arrays, quoted strings) and fall back to bare strings."""
-        values = self.to_dict()
+        values = self.all_sections()
         for assignment in assignments:
             key, sep, raw = assignment.partition("=")
             section, dot, name = key.strip().partition(".")

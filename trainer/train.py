@@ -11,6 +11,7 @@ A run directory holds:
     metrics.jsonl                  a line per log_every updates and per checkpoint (see `train`)
     checkpoints/step_XXXXXX.pt     resumable state after XXXXXX updates; `latest` names the newest
     snapshots/uNNNN_stepXXXXXX.pt  diagnostic inputs NNNN updates after the switch
+    monitor.h5                     the in-training update diagnostic, when a monitor is given (diag/monitor.py)
     summary.json                   written when the run finishes
 
 While a run writes it, `.DIR.lock` beside the directory (common/lock.py) keeps a second
@@ -53,6 +54,7 @@ from trainer.distributed import (
     shutdown_world,
 )
 from trainer.flops import update_flops
+from trainer.hooks import TrainingMonitor
 from trainer.model import IGNORE_INDEX, LoopedTransformer
 from trainer.optim import build_optimizer
 from trainer.rng import set_process_rng_state
@@ -219,7 +221,14 @@ class TrainSummary:
     """Snapshots this invocation wrote."""
 
 
-def train(config: RunConfig, out_dir: str | Path, *, resume: bool = False, progress: bool = True) -> TrainSummary:
+def train(
+    config: RunConfig,
+    out_dir: str | Path,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    monitor: TrainingMonitor | None = None,
+) -> TrainSummary:
     """Train `config` into `out_dir` (see the module docstring); under torchrun each
     process calls this and rank 0 writes every file. `resume=True` continues from the
     newest checkpoint in `out_dir` and refuses a config that differs from the stored one.
@@ -228,18 +237,21 @@ def train(config: RunConfig, out_dir: str | Path, *, resume: bool = False, progr
     index of the update), depth, loss (token-weighted mean over the updates since the
     previous line), lr, grad_norm (before clipping), tokens and flops (cumulative, this
     update included), wall_time (seconds since the run began, time between an interruption
-    and its resume excluded), and under torchrun rank_depths (the depth every rank used at
-    this update).
+    and its resume and the monitor's checks excluded), and under torchrun rank_depths (the
+    depth every rank used at this update).
 
     The run directory is exclusive: rank 0 holds its lock (common/lock.py) from before
     anything in it is read until the run ends, and a second `train` into it, fresh or
-    resumed, is refused with InputError naming the holder's pid before it changes anything."""
+    resumed, is refused with InputError naming the holder's pid before it changes anything.
+
+    `monitor` (trainer/hooks.py; rank 0 only) is shown the model and optimizer at the run's
+    starting step and after every update; it changes nothing the training computes."""
     run_dir = Path(out_dir)
     world = init_world(config.train.device)
     try:
         with _run_dir_lock(run_dir, world):
             run = _set_up(config, run_dir, world, resume=resume)
-            final_loss = _train_updates(run, progress=progress)
+            final_loss = _train_updates(run, progress=progress, monitor=monitor)
             return _finish(run, final_loss)
     finally:
         shutdown_world(world)
@@ -456,7 +468,7 @@ def _initial_model(config: RunConfig, run_dir: Path, *, resume: bool) -> tuple[L
 
 
 def _config_differences(stored: RunConfig, given: RunConfig) -> list[str]:
-    before, after = stored.to_dict(), given.to_dict()
+    before, after = stored.all_sections(), given.all_sections()
     return [
         f"{section}.{key}: {before[section][key]!r} -> {after[section][key]!r}"
         for section in before
@@ -597,15 +609,33 @@ class _DivergenceWatch:
             )
 
 
-def _train_updates(run: _Run, *, progress: bool) -> float:
+def _show_monitor(run: _Run, monitor: TrainingMonitor | None, step: int) -> float:
+    """Show the monitor (rank 0) the model and optimizer after `step` updates; returns the
+    seconds it took. A monitor file the file system refuses fails the run."""
+    if monitor is None or not run.world.is_main:
+        return 0.0
+    began = time.perf_counter()
+    try:
+        monitor.after_update(step, run.model, run.update.optimizer)
+    except OSError as err:
+        reason = err.strerror or str(err).splitlines()[0]
+        raise run.failed(step, f"writing {err.filename or run.run_dir} failed ({reason})") from None
+    return time.perf_counter() - began
+
+
+def _train_updates(run: _Run, *, progress: bool, monitor: TrainingMonitor | None = None) -> float:
     """Take the updates from run.start to train.updates, logging metrics and writing the
-    snapshots and checkpoints due after each; returns the loss of the last logged interval."""
+    snapshots and checkpoints due after each (and showing the monitor each state); returns
+    the loss of the last logged interval."""
     tc, world = run.config.train, run.world
     log = _MetricsLog(run.run_dir / "metrics.jsonl", world, last_loss=run.resumed_loss)
     watch = _DivergenceWatch(world)
     bar = progress_bar(tc.updates, f"train {run.run_dir}", "upd", initial=run.start, enabled=progress and world.is_main)
     try:
         run.write_boundary(run.start)
+        if monitor is not None and world.is_main:
+            monitor.resume(run.start)
+        _show_monitor(run, monitor, run.start)
         session_began, wall_time_before = time.perf_counter(), run.counters["wall_time"]
         for step in range(run.start, tc.updates):
             depth = run.schedule.depth_at(step)
@@ -635,9 +665,12 @@ def _train_updates(run: _Run, *, progress: bool) -> float:
             bar.set_postfix(depth=depth, loss=f"{log.last_loss:.4f}", refresh=False)  # the last logged interval's
             bar.update(1)
             run.write_boundary(done)
+            session_began += _show_monitor(run, monitor, done)  # wall_time counts training alone
     finally:
         bar.close()
         log.close()
+        if monitor is not None and world.is_main:
+            monitor.close()
     return log.last_loss
 
 
