@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from common.atomic import atomic_write_text
+from common.atomic import atomic_write_text, remove_stale_temporaries_in
 from common.errors import InputError, RunFailed
 from common.lock import exclusive_output
 from common.progress import progress_bar
@@ -493,17 +493,14 @@ def _prepare_run_dir(config: RunConfig, run_dir: Path, world: World, *, keep_met
 
 
 def remove_stale_temporaries(run_dir: Path) -> list[Path]:
-    """Remove the temporary files of atomic writes (common/atomic.py: `.NAME.XXXX.tmp...`) in
-    `run_dir`, its checkpoints/ and its snapshots/, which a killed run (kill -9, power loss)
-    leaves behind; returns them. Only for the holder of the run directory's lock: no other
-    writer can then be alive to own one. Other files, dotfiles included, are left alone."""
-    removed = []
-    for directory in (run_dir, run_dir / CHECKPOINT_DIR, run_dir / SNAPSHOT_DIR):
-        for path in sorted(directory.glob(".*.tmp*")):
-            if path.is_file() and not path.is_symlink():
-                path.unlink(missing_ok=True)
-                removed.append(path)
-    return removed
+    """Remove the temporary files of atomic writes in `run_dir`, its checkpoints/ and its
+    snapshots/, which a killed run (kill -9, power loss) leaves behind; returns them. Only
+    for the holder of the run directory's lock: no other writer can then be alive to own one."""
+    return [
+        path
+        for directory in (run_dir, run_dir / CHECKPOINT_DIR, run_dir / SNAPSHOT_DIR)
+        for path in remove_stale_temporaries_in(directory)
+    ]
 
 
 def _start_metrics(path: Path, keep_before: int) -> float:
