@@ -120,7 +120,7 @@ MONITOR_OUTPUTS := $(foreach seed,$(SEEDS),$(RESULTS)/monitor-seed$(seed).png $(
 
 $(RESULTS)/monitor-seed%.png: $(RUNS)/seed%/summary.json $(ANALYSIS_SOURCES)
 	mkdir -p $(dir $@)
-	$(DEPTHDIAG) plot $(RUNS)/seed$*/monitor.h5 --figure monitor --out $@
+	$(DEPTHDIAG) plot $(RUNS)/seed$*/monitor.h5 --figure monitor --out $@ --force
 
 $(RESULTS)/monitor-seed%.txt: $(RUNS)/seed%/summary.json $(ANALYSIS_SOURCES)
 	mkdir -p $(dir $@)
