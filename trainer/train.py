@@ -340,38 +340,30 @@ class _Run:
         resume = f"resume from {self.last_checkpoint}" if self.last_checkpoint else "no checkpoint was written yet"
         return RunFailed(f"{self.run_dir}: step {step}: {problem}; {resume}")
 
+    def _state_at(self, step: int) -> dict[str, Any]:
+        """What every checkpoint and snapshot written after `step` updates records."""
+        return {
+            "config": self.config,
+            "step": step,
+            "uniform_updates": self.uniform_updates(step),
+            "model": self.model,
+            "optimizer": self.update.optimizer,
+            "lr": lr_at(step, self.config.optim, self.config.train.updates),
+            "eval_tokens": self.eval_tokens,
+        }
+
     def _write_snapshot(self, step: int) -> None:
         tc = self.config.train
         batches = torch.stack(
             [self.source.batch(tc.seed, step + i, tc.batch_size, tc.seq_len) for i in range(tc.snapshot_batches)]
         )  # [n, B, T+1]
         path = self.run_dir / SNAPSHOT_DIR / snapshot_name(self.snapshot_at[step], step)
-        save_snapshot(
-            path,
-            config=self.config,
-            step=step,
-            uniform_updates=self.uniform_updates(step),
-            model=self.model,
-            optimizer=self.update.optimizer,
-            lr=lr_at(step, self.config.optim, tc.updates),
-            batches=batches,
-            eval_tokens=self.eval_tokens,
-        )
+        save_snapshot(path, **self._state_at(step), batches=batches)
         self.snapshots.append(str(path))
 
     def _write_checkpoint(self, step: int) -> None:
         path = self.run_dir / CHECKPOINT_DIR / checkpoint_name(step)
-        save_checkpoint(
-            path,
-            config=self.config,
-            step=step,
-            uniform_updates=self.uniform_updates(step),
-            model=self.model,
-            optimizer=self.update.optimizer,
-            lr=lr_at(step, self.config.optim, self.config.train.updates),
-            eval_tokens=self.eval_tokens,
-            progress=self.counters,
-        )
+        save_checkpoint(path, **self._state_at(step), progress=self.counters)
         atomic_write_text(path.name + "\n", path.parent / LATEST)
         self.checkpoints.append(str(path))
         self.last_checkpoint = path
