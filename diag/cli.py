@@ -570,10 +570,12 @@ def summarize(results: tuple[Path, ...], as_json: bool, options: IntervalOptions
 @click.option(
     "--figure",
     "figure_number",
-    type=click.Choice(["4", "monitor"]),
+    type=click.Choice(["4", "map", "monitor"]),
     default="4",
     show_default=True,
-    help="Which figure: the paper's Figure 4 (results files), or a run's monitor file (RUN/monitor.h5).",
+    help="Which figure: the paper's Figure 4 (results files); map: which update depth helps which serving "
+    "depth, at the switch and after 16 uniform updates (results files diagnosed with several update depths, "
+    "e.g. --update-depths 4,1,2,8,16); or a run's monitor file (RUN/monitor.h5).",
 )
 @click.option(
     "--out",
@@ -587,8 +589,9 @@ def summarize(results: tuple[Path, ...], as_json: bool, options: IntervalOptions
 def plot(results: tuple[Path, ...], figure_number: str, out: Path, force: bool, options: IntervalOptions) -> None:
     """Draw a figure from RESULTS files (several files are several seeds: the error bars and
     bands are then intervals over seeds; with one file they cover batch noise only).
-    `--figure monitor` draws a run's RUN/monitor.h5."""
-    from analysis.figures import figure4, figure_paths, monitor_figure, save_figure
+    `--figure map` draws the update-depth x serving-depth map (seed-level means, or batch
+    means for one file); `--figure monitor` draws a run's RUN/monitor.h5."""
+    from analysis.figures import figure4, figure_paths, monitor_figure, save_figure, update_depth_map_figure
     from analysis.monitor import open_monitor
     from analysis.store import open_results
     from common.lock import refuse_existing
@@ -604,7 +607,12 @@ def plot(results: tuple[Path, ...], figure_number: str, out: Path, force: bool, 
             _warn_on_mixed_learning_rates(ds, results)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            fig = monitor_figure(ds, options=options) if monitor is not None else figure4(ds, options=options)
+            if monitor is not None:
+                fig = monitor_figure(ds, options=options)
+            elif figure_number == "map":
+                fig = update_depth_map_figure(ds, options=options)
+            else:
+                fig = figure4(ds, options=options)
     for warning in caught:
         click.echo(f"depthdiag: warning: {warning.message}", err=True)
     for path in save_figure(fig, out, force=force):
