@@ -42,7 +42,7 @@ TRAINER_SOURCES := $(filter-out trainer/corpus.py,$(wildcard trainer/*.py)) $(wi
 DIAG_SOURCES := $(wildcard diag/*.py)
 ANALYSIS_SOURCES := $(wildcard analysis/*.py)
 
-.PHONY: setup figure4 figure4-files summary reference sensitivity monitor test test-slow bench flops clean corpus lint
+.PHONY: setup figure4 figure4-files figure-map summary reference sensitivity monitor test test-slow bench flops clean corpus lint
 .DELETE_ON_ERROR:
 
 setup: $(VENV)/.installed
@@ -64,7 +64,8 @@ figure4-files: $(FIGURE) $(SUMMARY)
 # interrupted before it resumes from its newest checkpoint; a finished run whose config
 # or sources changed starts over, and its diagnostics with it.
 $(RUNS)/seed%/summary.json: $(CONFIG) $(TRAINER_SOURCES) | $(VENV)/.installed
-	if [ -e $@ ]; then rm -rf $(RUNS)/seed$* $(RESULTS)/seed$*.h5 $(RESULTS)/seed$*.h5.parts; fi
+	if [ -e $@ ]; then rm -rf $(RUNS)/seed$* $(RESULTS)/seed$*.h5 $(RESULTS)/seed$*.h5.parts \
+	  $(RESULTS)/map-seed$*.h5 $(RESULTS)/map-seed$*.h5.parts; fi
 	OMP_NUM_THREADS=$(THREADS) $(DEPTHDIAG) train $(CONFIG) --out $(RUNS)/seed$* --set train.seed=$* \
 	  $$(if [ -e $(RUNS)/seed$*/checkpoints/latest ]; then echo --resume $(RUNS)/seed$*; fi)
 
@@ -90,6 +91,26 @@ reference: $(FIGURE) $(SUMMARY)
 	cp $(FIGURE) figures/figure4.png
 	cp $(SUMMARY) figures/figure4-summary.txt
 	cp $(RESULTS)/summary.json figures/figure4-summary.json
+
+# Which update depth helps which serving depth: updates at every depth of MAP_UPDATE_DEPTHS
+# (the first is the reference) from the switch and 16-update snapshots of figure4's runs,
+# drawn as two heat maps (seed-level means). make figure-map [SEEDS=...]
+MAP_UPDATE_DEPTHS ?= 4,1,2,8,16
+MAP_RESULTS := $(foreach seed,$(SEEDS),$(RESULTS)/map-seed$(seed).h5)
+MAP_FIGURE := $(RESULTS)/figure-map.png
+
+$(RESULTS)/map-seed%.h5: $(RUNS)/seed%/summary.json $(DIAG_SOURCES) analysis/store.py
+	mkdir -p $(dir $@)
+	rm -f $@
+	OMP_NUM_THREADS=$(THREADS) $(DEPTHDIAG) diagnose $(RUNS)/seed$*/snapshots/u0000_*.pt \
+	  $(RUNS)/seed$*/snapshots/u0016_*.pt --out $@ --update-depths $(MAP_UPDATE_DEPTHS) \
+	  --batches $(BATCHES) --eval-set $(EVAL_SET) --resume
+
+$(MAP_FIGURE): $(MAP_RESULTS) $(ANALYSIS_SOURCES)
+	$(DEPTHDIAG) plot $(MAP_RESULTS) --figure map --out $@ --force
+
+figure-map: $(VENV)/.installed
+	$(MAKE) --no-print-directory -j $(JOBS) $(MAP_FIGURE)
 
 # Does the conclusion depend on the diagnostic's own choices? Every isolate x rms_match
 # pair on the switch and 16-update snapshots of every seed (after `make figure4`).

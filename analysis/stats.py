@@ -530,6 +530,48 @@ def format_finishing_phase(phase: FinishingPhase, *, level: float = 0.95) -> str
     return "\n".join(lines)
 
 
+# --- the update-depth x serving-depth map ------------------------------------------------
+
+
+def update_depth_benefit(ds: xr.Dataset) -> xr.DataArray:
+    """The benefit of each update depth's update over the reference (the first update depth's):
+    NLL after the reference update minus NLL after the depth-K update, over (..., update_depth,
+    serving_depth); the reference's own row is 0. The stored `benefit_all` (written when more
+    than two update depths are diagnosed) when present, else the same difference from `nll`."""
+    if "benefit_all" in ds.data_vars:
+        return ds["benefit_all"]
+    nll = ds["nll"]
+    return nll.isel(update_depth=0, drop=True) - nll
+
+
+def update_depth_map(
+    ds: xr.Dataset,
+    *,
+    options: IntervalOptions = IntervalOptions(),
+    seed_dim: str = "seed",
+) -> xr.Dataset:
+    """Which update depth helps which serving depth: per (snapshot, update_depth, serving_depth)
+    the benefit of the depth-K update over the reference update (`update_depth_benefit`), with its
+    interval over batches, or over per-seed batch means when `ds` has `seed_dim` (the same units
+    as `benefit_by_depth`). The reference depth is left out (its benefit is 0 by definition) and
+    the other update depths are sorted. Returns mean/lower/upper/n; attrs level, method, unit and
+    reference_depth.
+    """
+    update_depths = [int(d) for d in ds["update_depth"].values]
+    reference = update_depths[0]
+    compared = sorted(update_depths[1:])
+    benefit = update_depth_benefit(ds).sel(update_depth=compared)
+    units, unit_dim = replication_units(benefit, seed_dim=seed_dim)
+    intervals = interval_over(units, unit_dim, options=options).transpose("snapshot", "update_depth", "serving_depth")
+    intervals.attrs = {
+        "level": options.level,
+        "method": options.method,
+        "unit": unit_dim,
+        "reference_depth": reference,
+    }
+    return intervals
+
+
 # --- learning rates -----------------------------------------------------------------------
 
 

@@ -13,3 +13,6 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda")
 """Where a command runs: 'auto' (cuda when available, else cpu), 'cpu' or 'cuda'."""
 INTERVAL_METHOD_CHOICES = ("t", "bca")
 """How a confidence interval is formed: Student-t, or a BCa bootstrap as a check."""
+FINISH_RULE_CHOICES = ("fraction", "zero", "either")
+"""When a monitor check counts as settled for `depthdiag recommend` (see analysis/recommend.py):
+the mean benefit is below a fraction of the switch's, its interval over batches contains 0, or either."""

@@ -22,7 +22,14 @@ from typing import TYPE_CHECKING
 
 import click
 
-from common.choices import DEVICE_CHOICES, EVAL_SET_CHOICES, INTERVAL_METHOD_CHOICES, ISOLATE_CHOICES, RMS_MATCH_CHOICES
+from common.choices import (
+    DEVICE_CHOICES,
+    EVAL_SET_CHOICES,
+    FINISH_RULE_CHOICES,
+    INTERVAL_METHOD_CHOICES,
+    ISOLATE_CHOICES,
+    RMS_MATCH_CHOICES,
+)
 from common.depths import MAX_SERVING_DEPTH
 from common.errors import EXIT_BAD_INPUT, EXIT_RUN_FAILED, InputError, RunFailed, naming_files
 
@@ -570,10 +577,12 @@ def summarize(results: tuple[Path, ...], as_json: bool, options: IntervalOptions
 @click.option(
     "--figure",
     "figure_number",
-    type=click.Choice(["4", "monitor"]),
+    type=click.Choice(["4", "map", "monitor"]),
     default="4",
     show_default=True,
-    help="Which figure: the paper's Figure 4 (results files), or a run's monitor file (RUN/monitor.h5).",
+    help="Which figure: the paper's Figure 4 (results files); map: which update depth helps which serving "
+    "depth, at the switch and after 16 uniform updates (results files diagnosed with several update depths, "
+    "e.g. --update-depths 4,1,2,8,16); or a run's monitor file (RUN/monitor.h5).",
 )
 @click.option(
     "--out",
@@ -587,8 +596,9 @@ def summarize(results: tuple[Path, ...], as_json: bool, options: IntervalOptions
 def plot(results: tuple[Path, ...], figure_number: str, out: Path, force: bool, options: IntervalOptions) -> None:
     """Draw a figure from RESULTS files (several files are several seeds: the error bars and
     bands are then intervals over seeds; with one file they cover batch noise only).
-    `--figure monitor` draws a run's RUN/monitor.h5."""
-    from analysis.figures import figure4, figure_paths, monitor_figure, save_figure
+    `--figure map` draws the update-depth x serving-depth map (seed-level means, or batch
+    means for one file); `--figure monitor` draws a run's RUN/monitor.h5."""
+    from analysis.figures import figure4, figure_paths, monitor_figure, save_figure, update_depth_map_figure
     from analysis.monitor import open_monitor
     from analysis.store import open_results
     from common.lock import refuse_existing
@@ -604,7 +614,12 @@ def plot(results: tuple[Path, ...], figure_number: str, out: Path, force: bool, 
             _warn_on_mixed_learning_rates(ds, results)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            fig = monitor_figure(ds, options=options) if monitor is not None else figure4(ds, options=options)
+            if monitor is not None:
+                fig = monitor_figure(ds, options=options)
+            elif figure_number == "map":
+                fig = update_depth_map_figure(ds, options=options)
+            else:
+                fig = figure4(ds, options=options)
     for warning in caught:
         click.echo(f"depthdiag: warning: {warning.message}", err=True)
     for path in save_figure(fig, out, force=force):
@@ -639,6 +654,89 @@ def sensitivity(results: tuple[Path, ...], after_updates: int, as_json: bool, op
         click.echo(json.dumps(_json_ready(table.to_dict()), indent=2))
     else:
         click.echo(format_sensitivity_markdown(table))
+
+
+# --- recommend ----------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("monitor", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--updates", type=click.IntRange(min=1), required=True, help="N: the length of the run to plan, in updates."
+)
+@click.option(
+    "--threshold",
+    type=float,
+    default=0.05,
+    show_default=True,
+    help="A check is settled when its mean benefit is below this fraction of the switch's (rule fraction).",
+)
+@click.option(
+    "--checks",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="F needs at least this many consecutive settled checks, and every later check settled.",
+)
+@click.option(
+    "--margin",
+    type=float,
+    default=1.5,
+    show_default=True,
+    help="Safety margin: the plan's finishing phase is ceil(margin x F) updates (>= 1).",
+)
+@click.option(
+    "--rule",
+    type=click.Choice(FINISH_RULE_CHOICES),
+    default="fraction",
+    show_default=True,
+    help="When a check is settled: fraction (mean below --threshold x the switch's), zero (its interval "
+    "over batches contains 0; wide with few batches per check), or either.",
+)
+@click.option("--level", type=float, default=0.95, show_default=True, help="Confidence level of the intervals.")
+@click.option("--include-embeddings", is_flag=True, help="Count the LM head matmul in the modeled FLOPs too.")
+@click.option("--json", "as_json", is_flag=True, help="Print the recommendation as JSON (NaN as null).")
+@reports_errors
+def recommend(
+    monitor: Path,
+    updates: int,
+    threshold: float,
+    checks: int,
+    margin: float,
+    rule: str,
+    level: float,
+    include_embeddings: bool,
+    as_json: bool,
+) -> None:
+    """Size a fixed-first schedule for a run of --updates N from a pilot run's MONITOR file
+    (RUN/monitor.h5 of a fixed-first run with a [monitor] block).
+
+    \b
+    F = uniform updates after the switch from which the deep update's depth-averaged
+    benefit has settled (default rule: mean below --threshold x its value at the switch)
+    for at least --checks consecutive checks and for good; F' = ceil(--margin x F);
+    switch = 1 - F'/N (clamped to [0, 1]). Prints the spec with the pilot's K0 and
+    finish, and its modeled training compute against uniform:1-16 and the paper's 80% switch.
+    """
+    from analysis.stats import IntervalOptions
+    from diag.recommend import RecommendConfig, format_recommendation
+    from diag.recommend import recommend as run_recommend
+
+    config = RecommendConfig(
+        monitor=monitor,
+        updates=updates,
+        threshold=threshold,
+        checks=checks,
+        margin=margin,
+        rule=rule,
+        options=IntervalOptions(level=level),
+        include_embeddings=include_embeddings,
+    )
+    recommendation = run_recommend(config)
+    if as_json:
+        click.echo(json.dumps(_json_ready(recommendation.to_dict()), indent=2))
+    else:
+        click.echo(format_recommendation(recommendation))
 
 
 if __name__ == "__main__":

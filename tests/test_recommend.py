@@ -1,0 +1,180 @@
+"""`depthdiag recommend`: F from a pilot's monitor file, the switch for a run of N updates, the
+spec and its modeled compute; worked by hand on a synthetic monitor file."""
+
+import json
+
+import numpy as np
+import pytest
+import xarray as xr
+from click.testing import CliRunner
+
+from analysis.recommend import finish_length, switch_plan, switch_text
+from analysis.store import write_dataset
+from common.errors import InputError
+from diag.cli import main
+from trainer.config import load_config
+from trainer.flops import flops_report
+
+# The pilot: configs/tiny-monitor.toml (fixed-first K0=4, switch at step 768 of 1,024), checked every 32
+# updates from the switch on (and once in the fixed phase, which F ignores). Depth-averaged,
+# batch-mean benefit of each check:
+STEPS = (512, 768, 800, 832, 864, 896, 928, 960, 992, 1024)
+BENEFITS = (0.01, 0.20, 0.05, 0.006, 0.004, 0.002, -0.003, 0.001, 0.0, 0.003)
+# By hand, rule fraction, threshold 5%: 5% of the switch's 0.20 is 0.01. After the switch,
+# 800 (0.05) is above it; 832 (0.006) and every later check are below: 7 settled checks >= 2.
+# F = 832 - 768 = 64 uniform updates (the crossing lies in (32, 64]); margin 1.5 ->
+# F' = ceil(1.5 x 64) = 96; N = 1024 -> switch = 1 - 96/1024 = 0.90625 (step 928).
+SWITCH = 768
+SPREAD = 0.001  # two batches at mean -/+ SPREAD
+
+
+def pilot_monitor(benefits=BENEFITS, steps=STEPS, switch=SWITCH, spread=SPREAD, config=None) -> xr.Dataset:
+    """A monitor file whose check at step i has batch benefits benefits[i] -/+ spread[i] and, across
+    the three serving depths, -0.01, 0, +0.01 around that: the depth average of each batch is
+    benefits[i] -/+ spread[i], so the batch mean is benefits[i]."""
+    spread = np.broadcast_to(np.asarray(spread, dtype=np.float64), (len(steps),))
+    per_batch = np.asarray(benefits)[:, None] + spread[:, None] * np.array([-1.0, 1.0])[None, :]
+    benefit = per_batch[:, :, None] + np.array([-0.01, 0.0, 0.01])[None, None, :]  # [step, batch, serving]
+    shape = benefit.shape[:2]
+    nll_deep = np.full(benefit.shape, 3.0)
+    ud = ("step", "batch", "update_depth")
+    return xr.Dataset(
+        {
+            "nll": (("step", "batch", "update_depth", "serving_depth"), np.stack([nll_deep + benefit, nll_deep], 2)),
+            "nll_before": (("step", "serving_depth"), np.full((len(steps), 3), 3.1)),
+            "benefit": (("step", "batch", "serving_depth"), benefit),
+            "update_rms": (ud, np.full(shape + (2,), 1e-3)),
+            "rms_scale": (ud, np.ones(shape + (2,))),
+            "train_loss": (ud, np.full(shape + (2,), 3.0)),
+            "update_cosine": (("step", "batch"), np.full(shape, 0.9)),
+            "lr": (("step",), np.full(len(steps), 2e-3)),
+            "depth_probability": (("step", "depth"), np.full((len(steps), 16), 1 / 16)),
+        },
+        coords={
+            "step": np.array(steps),
+            "batch": np.arange(2),
+            "update_depth": [4, 16],
+            "serving_depth": [1, 2, 3],
+            "depth": np.arange(1, 17),
+        },
+        attrs={
+            "kind": "monitor",
+            "switch_step": switch,
+            "schedule": "fixed-first:k0=4,switch=0.75,finish=uniform:1-16",
+            "config": (config or load_config("configs/tiny-monitor.toml", ["monitor.every=32"])).to_json(),
+        },
+    )
+
+
+def test_f_and_the_switch_by_hand():
+    finish = finish_length(pilot_monitor(), threshold=0.05, checks=2)
+    assert finish.rule == "fraction" and finish.switch_step == 768
+    assert finish.switch.mean == pytest.approx(0.20) and finish.switch.n == 2
+    assert [check.step for check in finish.checks] == [800, 832, 864, 896, 928, 960, 992, 1024]  # not 512
+    assert [check.settled for check in finish.checks] == [False] + [True] * 7
+    assert (finish.finish_updates, finish.after, finish.settled_checks) == (64, 32, 7)
+
+    plan = switch_plan(finish.finish_updates, updates=1024, margin=1.5)
+    assert plan.planned_finish_updates == 96  # ceil(1.5 x 64)
+    assert plan.switch == 0.90625 and plan.switch_text == "0.90625"  # 1 - 96/1024
+    assert plan.switch_step == 928 and not plan.clamped
+
+
+def test_a_dip_that_rebounds_does_not_count_and_the_run_must_be_checks_long():
+    # 832 dips below 0.01, 864 rebounds to 0.012: settled for good only from 896, F = 896 - 768 = 128.
+    rebound = list(BENEFITS)
+    rebound[STEPS.index(864)] = 0.012
+    assert finish_length(pilot_monitor(rebound)).finish_updates == 128
+    # Only the last two checks (992, 1024) settle: enough for --checks 2 (F = 992 - 768 = 224),
+    # not for --checks 3.
+    late = [0.01, 0.20, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.005, 0.004]
+    assert finish_length(pilot_monitor(late), checks=2).finish_updates == 224
+    with pytest.raises(InputError, match=r"no F found; .* \(the last 2 check\(s\) settle, fewer than --checks 3"):
+        finish_length(pilot_monitor(late), checks=3)
+
+
+def test_the_zero_rule_reads_the_interval_over_batches():
+    # At 800 the two batches are 0.05 -/+ 0.01: t interval 0.05 +- 12.706 x 0.01 (t(0.975, df=1) x s/sqrt(2),
+    # s = 0.01 x sqrt(2)) contains 0, so the zero rule settles from 800 (F = 32), the fraction rule from 832.
+    spread = [SPREAD] * len(STEPS)
+    spread[STEPS.index(800)] = 0.01
+    ds = pilot_monitor(spread=spread)
+    zero = finish_length(ds, rule="zero")
+    assert zero.finish_updates == 32 and zero.checks[0].contains_zero and not zero.checks[0].below_threshold
+    assert finish_length(ds, rule="either").finish_updates == 32
+    assert finish_length(ds, rule="fraction").finish_updates == 64
+
+
+def test_refusals_name_the_file():
+    with pytest.raises(InputError, match=r"^pilot\.h5: the pilot has no switch \(uniform:1-16\)"):
+        ds = pilot_monitor(switch=-1)
+        ds.attrs["schedule"] = "uniform:1-16"
+        finish_length(ds, source="pilot.h5")
+    with pytest.raises(
+        InputError,
+        match=r"^pilot\.h5: no F found; the finishing phase needs longer than the pilot's 256 updates after the switch",
+    ):
+        finish_length(pilot_monitor([0.01, 0.2] + [0.05] * 8), source="pilot.h5")
+    with pytest.raises(InputError, match=r"^pilot\.h5: no check at the switch \(step 700\)"):
+        finish_length(pilot_monitor(switch=700), source="pilot.h5")
+    with pytest.raises(InputError, match=r"benefit at the switch .* not positive"):
+        finish_length(pilot_monitor([0.01, -0.02] + [0.0] * 8), source="pilot.h5")
+
+
+def test_switch_plan_clamps_and_rounds():
+    clamped = switch_plan(64, updates=80, margin=1.5)  # F' = 96 > 80: the whole run finishes
+    assert (clamped.switch, clamped.switch_text, clamped.switch_step, clamped.clamped) == (0.0, "0", 0, True)
+    assert switch_plan(10, updates=100, margin=1.1).planned_finish_updates == 11  # not ceil(11.000000000000002)
+    assert switch_plan(64, updates=96, margin=1.5).switch_step == 0  # F' = N exactly: switch 0, not clamped
+    # 1 - 100/3000 = 0.9666...: six significant digits already give round(s x 3000) = 2900.
+    assert switch_text(2900, 3000) == "0.966667"
+    with pytest.raises(InputError, match="margin must be a number >= 1"):
+        switch_plan(64, updates=1024, margin=0.5)
+
+
+def run(*args):
+    result = CliRunner().invoke(main, ["recommend", *args])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_recommend_command(tmp_path):
+    path = tmp_path / "monitor.h5"
+    write_dataset(pilot_monitor(), path)
+    code, out, err = run(str(path), "--updates", "1024")
+    assert code == 0, err
+    assert "F = 64 uniform updates" in out and "F' = ceil(1.5 x 64) = 96" in out
+    assert "switch = 1 - 96/1,024 = 0.90625" in out
+    assert "recommended: fixed-first:k0=4,switch=0.90625,finish=uniform:1-16" in out
+
+    code, out, err = run(str(path), "--updates", "1024", "--json")
+    assert code == 0, err
+    document = json.loads(out)
+    assert document["finish"]["finish_updates"] == 64 and document["plan"]["planned_finish_updates"] == 96
+    assert document["plan"]["switch"] == 0.90625 and document["plan"]["switch_step"] == 928
+    spec, paper = document["spec"], document["paper"]["spec"]
+    assert paper == "fixed-first:k0=4,switch=0.8,finish=uniform:1-16"
+    # The compute is trainer/flops.py's on the pilot's model and batch shape.
+    tiny = load_config("configs/tiny.toml")
+    report = flops_report(
+        tiny.model, [spec, paper], updates=1024, batch_size=32, seq_len=64, seed=tiny.train.seed
+    ).schedules
+    assert document["saving_vs_uniform"] == pytest.approx(1 - report[0].relative_to_uniform)
+    assert document["saving_vs_paper"] == pytest.approx(1 - report[0].modeled_flops / report[1].modeled_flops)
+    assert document["saving_vs_paper"] > 0  # the later switch trains more updates at K0 = 4
+
+    late = tmp_path / "late.h5"
+    write_dataset(pilot_monitor([0.01, 0.2] + [0.05] * 8), late)
+    code, out, err = run(str(late), "--updates", "1024")
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"depthdiag: error: {late}: no F found; the finishing phase needs longer than")
+
+    uniform = tmp_path / "uniform.h5"
+    from_scratch = pilot_monitor(switch=-1, config=load_config("configs/tiny-uniform-monitor.toml"))
+    from_scratch.attrs["schedule"] = "uniform:1-16"
+    write_dataset(from_scratch, uniform)
+    code, out, err = run(str(uniform), "--updates", "1024")
+    assert code == 2 and err.strip().splitlines() == [
+        f"depthdiag: error: {uniform}: the pilot has no switch (uniform:1-16): "
+        "recommend needs a fixed-first pilot monitored at its switch"
+    ]
