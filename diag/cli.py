@@ -510,7 +510,9 @@ def _summarize_monitor(path: Path, as_json: bool, options: IntervalOptions) -> N
         }
         click.echo(json.dumps(_json_ready(document), indent=2))
         return
-    click.echo(f"{path}: {ds.attrs.get('schedule', '')}, switch at step {ds.attrs.get('switch_step')}")
+    switch = ds.attrs.get("switch_step", -1)
+    switch_text = f"switch at step {switch}" if switch is not None and int(switch) >= 0 else "no switch"
+    click.echo(f"{path}: {ds.attrs.get('schedule', '')}, {switch_text}")
     click.echo(format_monitor_summary(rows, level=options.level, method=options.method))
 
 
