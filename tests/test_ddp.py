@@ -56,14 +56,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_gloo_processes_match_one_process(tmp_path):
-    corpus = tmp_path / "corpus.txt"
-    rng = random.Random(2)
-    corpus.write_text(" ".join(rng.choice("one two three four five six seven".split()) for _ in range(3000)))
-    config_path = tmp_path / "run.toml"
-    config_path.write_text(CONFIG.format(corpus=corpus))
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def torchrun_train(config_path: Path, out: Path) -> subprocess.CompletedProcess:
+    """`depthdiag train CONFIG --out OUT` under torchrun with 2 gloo processes, one thread each."""
     command = [
         sys.executable,
         "-m",
@@ -77,12 +71,23 @@ def test_two_gloo_processes_match_one_process(tmp_path):
         "train",
         str(config_path),
         "--out",
-        str(tmp_path / "ddp"),
+        str(out),
         "--no-progress",
     ]
-    result = subprocess.run(
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
         command, env=env, capture_output=True, text=True, timeout=240, cwd=Path(__file__).resolve().parents[1]
     )
+
+
+def test_two_gloo_processes_match_one_process(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    rng = random.Random(2)
+    corpus.write_text(" ".join(rng.choice("one two three four five six seven".split()) for _ in range(3000)))
+    config_path = tmp_path / "run.toml"
+    config_path.write_text(CONFIG.format(corpus=corpus))
+
+    result = torchrun_train(config_path, tmp_path / "ddp")
     assert result.returncode == 0, result.stderr[-3000:]
 
     from trainer.config import load_config

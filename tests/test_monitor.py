@@ -18,6 +18,7 @@ import torch  # noqa: E402
 import xarray as xr  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
 from matplotlib.collections import QuadMesh  # noqa: E402
+from test_ddp import torchrun_train  # noqa: E402
 from test_train import Interrupt, read_metrics, text_corpus, tiny_config  # noqa: E402
 
 from analysis.figures import monitor_figure, plot_monitor_heatmap, plot_monitor_trend  # noqa: E402
@@ -372,11 +373,8 @@ def test_cli_trains_with_a_monitor_block_then_summarizes_and_plots_it(tmp_path):
 
 
 def test_torchrun_rank_zero_writes_the_monitor_file_of_one_process(tmp_path):
-    import os
-    import subprocess
-    import sys
 
-    from test_ddp import CONFIG, free_port
+    from test_ddp import CONFIG
 
     corpus = tmp_path / "corpus.txt"
     rng = random.Random(2)
@@ -387,24 +385,7 @@ def test_torchrun_rank_zero_writes_the_monitor_file_of_one_process(tmp_path):
         + "\n[monitor]\nevery = 4\nbatches = 2\nupdate_depths = [2, 4]\nserving_depths = [1, 2, 3, 4]\n"
         + "eval_sequences = 4\n"
     )
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        "-m",
-        "diag.cli",
-        "train",
-        str(config_path),
-        "--out",
-        str(tmp_path / "ddp"),
-        "--no-progress",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    result = torchrun_train(config_path, tmp_path / "ddp")
     assert result.returncode == 0, result.stderr[-3000:]
     config = load_config(config_path)
     train_monitored(config, tmp_path / "single")
