@@ -1,0 +1,609 @@
+"""The collected file of an experiment grid: its schema, building it, reading it, and the
+statistics of the paper's grid figures (1, 2, 3-top, 5, 8) and Table 3 (no torch).
+
+`diag/grid.py` trains every cell of a grid (one value per axis, e.g. schedule x seed x
+budget), evaluates each finished run at serving depths 1..64 and hands the numbers to
+`grid_dataset`, which builds ONE Dataset; `analysis.store.write_dataset` writes it with the
+results-file conventions (HDF5 via h5netcdf, zlib 4 + shuffle, attributes str/int/float
+only, `long_name` and `units` on every variable and coordinate).
+
+| variable | dims |
+|---|---|
+| nll, recall_bits (bioS data only) | AXES..., serving_depth |
+| loss, loss_updates | AXES..., log_step |
+| updates, modeled_flops, flops, wall_time, schedule_spec, initial_depth, | AXES... |
+| switch_fraction, switch_step, finish | AXES... |
+
+AXES are the grid's axes in the order given (any names: xarray and netCDF accept dots, so
+"optim.lr" is an axis as it stands). `log_step` is the sorted union of the cells' metrics
+steps; a cell without a line at a step holds NaN loss and 0 loss_updates there. Attributes:
+the caller's, plus `kind` = 'grid'.
+
+The unit of replication is the training seed (axis `seed`): bands over seeds are either a
+Student-t 95% interval for the mean (`analysis.stats.interval_over`) or the range (min to
+max) across seeds, and every figure says which, over how many seeds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import xarray as xr
+
+from analysis.stats import IntervalOptions, interval_over
+from analysis.store import ENGINE
+from common.errors import InputError
+
+KIND = "grid"
+"""The `kind` attribute of a collected grid file."""
+
+NO_SWITCH = -1
+"""`switch_step` of a schedule without a switch."""
+
+SERVING_DIM = "serving_depth"
+LOG_STEP_DIM = "log_step"
+TERMINAL_FRACTION = 200 / 4800
+"""The paper's terminal window: the final 200 updates of a 4,800-update run."""
+
+Band = Literal["t95", "range"]
+
+GRID_VARIABLES: dict[str, tuple[tuple[str, ...], str, str, str]] = {
+    "nll": ((SERVING_DIM,), "f", "mean token NLL on the evaluation set at the serving depth", "nats"),
+    "recall_bits": ((SERVING_DIM,), "f", "recalled bits per person at the serving depth (bioS)", "bits"),
+    "loss": ((LOG_STEP_DIM,), "f", "mean training loss over the updates the metrics line covers", "nats"),
+    "loss_updates": ((LOG_STEP_DIM,), "i", "updates the metrics line's mean covers (0: no line)", "updates"),
+    "updates": ((), "i", "training updates of the run", "updates"),
+    "modeled_flops": ((), "f", "expected modeled training FLOPs of the run's schedule", "FLOPs"),
+    "flops": ((), "f", "realized cumulative modeled training FLOPs", "FLOPs"),
+    "wall_time": ((), "f", "training wall-clock time", "s"),
+    "schedule_spec": ((), "U", "canonical spec of the depth schedule", "1"),
+    "initial_depth": ((), "i", "K0 of a fixed-first schedule, depth of a fixed one, else 0", "iterations"),
+    "switch_fraction": ((), "f", "fraction of the run before the switch (NaN: no switch)", "1"),
+    "switch_step": ((), "i", "step of the schedule's switch (-1: no switch)", "updates"),
+    "finish": ((), "U", "finishing distribution of a fixed-first schedule, else the schedule's spec", "1"),
+}
+"""name -> (dims after the axes, dtype kind 'f'/'i'/'U', long_name, units). `recall_bits` is optional."""
+
+OPTIONAL_VARIABLES = ("recall_bits",)
+CELL_KEYS = tuple(GRID_VARIABLES) + ("loss_steps",)
+"""The keys of one cell's dict in `grid_dataset`."""
+
+COORDINATES = {
+    SERVING_DIM: ("recurrent depth the trained model was evaluated at", "iterations"),
+    LOG_STEP_DIM: ("0-based step of a training metrics line (the last update it covers)", "updates"),
+}
+
+
+def _axis_values(name: str, values) -> np.ndarray:
+    """One axis's coordinate values as a 1-d array of str, int or float; InputError otherwise."""
+    values = list(values)
+    if not values:
+        raise InputError(f"grid axis {name!r} has no values")
+    if any(
+        isinstance(v, (bool, np.bool_)) or not isinstance(v, (str, int, float, np.integer, np.floating)) for v in values
+    ):
+        raise InputError(f"grid axis {name!r}: values must be str, int or float labels, got {values!r}")
+    if any(isinstance(v, str) for v in values) and not all(isinstance(v, str) for v in values):
+        raise InputError(f"grid axis {name!r} mixes strings and numbers: {values!r}")
+    array = np.array(values, dtype=str) if isinstance(values[0], str) else np.array(values)
+    if len(set(array.tolist())) != len(values):
+        raise InputError(f"grid axis {name!r} repeats a value: {values!r}")
+    return array
+
+
+def _cell_name(axes: dict[str, np.ndarray], key: tuple) -> str:
+    return "(" + ", ".join(f"{name}={value!r}" for name, value in zip(axes, key)) + ")"
+
+
+def _vector(cell: dict, key: str, length: int | None, where: str, integer: bool = False) -> np.ndarray:
+    array = np.asarray(cell[key], dtype=np.int64 if integer else np.float64)
+    if array.ndim != 1:
+        raise InputError(f"cell {where}: {key} must be one-dimensional, got shape {array.shape}")
+    if length is not None and array.size != length:
+        raise InputError(f"cell {where}: {key} has {array.size} values, expected {length}")
+    return array
+
+
+def _scalar(value, key: str, kind: str, where: str):
+    """One cell's scalar as str, int or float (by `kind`: 'U', 'i', 'f'); InputError otherwise."""
+    if kind == "U":
+        if not isinstance(value, str):
+            raise InputError(f"cell {where}: {key} must be a string, got {value!r}")
+        return value
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise InputError(f"cell {where}: {key} must be a number, got {value!r}")
+    if kind == "i":
+        if not (math.isfinite(value) and int(value) == value):
+            raise InputError(f"cell {where}: {key} must be an integer, got {value!r}")
+        return int(value)
+    return float(value)
+
+
+def grid_dataset(
+    axes: dict[str, list], cells: dict[tuple, dict], *, serving_depths: list[int], attrs: dict
+) -> xr.Dataset:
+    """The collected grid Dataset (schema in the module docstring) from one dict per cell.
+
+    `axes` maps each axis name, in order, to its coordinate values (str, int or float
+    labels). `cells` maps the tuple of one value per axis (in axes order) to a dict with
+    the keys of CELL_KEYS: nll and recall_bits (arrays over `serving_depths`; recall_bits
+    None in every cell or in none), loss_steps / loss / loss_updates (one entry per training
+    metrics line), updates, modeled_flops, flops, wall_time, schedule_spec, initial_depth,
+    switch_fraction, switch_step and finish. Every cell of the axes' product must be given
+    and no other; InputError names the first missing or extra cell, or the cell and key of
+    any other problem.
+    """
+    if not axes:
+        raise InputError("a grid needs at least one axis")
+    reserved = {SERVING_DIM, LOG_STEP_DIM} & set(axes)
+    if reserved:
+        raise InputError(f"grid axis {sorted(reserved)[0]!r} is reserved for the file's own dimension")
+    coords = {name: _axis_values(name, values) for name, values in axes.items()}
+    depths = np.asarray(serving_depths)
+    if depths.ndim != 1 or depths.size == 0 or not np.issubdtype(depths.dtype, np.integer) or (depths < 1).any():
+        raise InputError(f"serving_depths must be a non-empty list of positive integers, got {serving_depths!r}")
+    if np.unique(depths).size != depths.size:
+        raise InputError(f"serving_depths repeats a depth: {serving_depths!r}")
+    if "kind" in attrs and attrs["kind"] != KIND:
+        raise InputError(f"attribute kind={attrs['kind']!r} would mark the file as something other than a grid")
+
+    expected = list(itertools.product(*(array.tolist() for array in coords.values())))
+    given = {tuple(key) if isinstance(key, tuple) else (key,): cell for key, cell in cells.items()}
+    missing = [key for key in expected if key not in given]
+    if missing:
+        raise InputError(f"grid cell {_cell_name(coords, missing[0])} is missing ({len(missing)} of {len(expected)})")
+    expected_set = set(expected)
+    extra = [key for key in given if key not in expected_set]
+    if extra:
+        raise InputError(f"grid cell {_cell_name(coords, extra[0])} is not in the axes' product ({len(extra)} extra)")
+
+    with_recall = {given[key].get("recall_bits") is not None for key in expected}
+    if len(with_recall) > 1:
+        raise InputError("recall_bits is None in some cells and not in others: give it for every cell or for none")
+    with_recall = with_recall.pop()
+
+    parsed, all_steps = [], []
+    for key in expected:
+        cell, where = given[key], _cell_name(coords, key)
+        unknown = sorted(set(cell) - set(CELL_KEYS))
+        absent = sorted(set(CELL_KEYS) - set(cell) - set(OPTIONAL_VARIABLES))
+        if unknown or absent:
+            problem = f"unknown key {unknown[0]!r}" if unknown else f"no key {absent[0]!r}"
+            raise InputError(f"cell {where}: {problem}")
+        steps = _vector(cell, "loss_steps", None, where, integer=True)
+        if (steps < 0).any() or (np.diff(steps) <= 0).any():
+            raise InputError(f"cell {where}: loss_steps must be non-negative and strictly increasing")
+        line_updates = _vector(cell, "loss_updates", steps.size, where, integer=True)
+        if (line_updates < 1).any():
+            raise InputError(f"cell {where}: loss_updates must be at least 1 for every metrics line")
+        parsed.append(
+            {
+                "nll": _vector(cell, "nll", depths.size, where),
+                "recall_bits": _vector(cell, "recall_bits", depths.size, where) if with_recall else None,
+                "loss_steps": steps,
+                "loss": _vector(cell, "loss", steps.size, where),
+                "loss_updates": line_updates,
+            }
+        )
+        all_steps.append(steps)
+
+    log_steps = np.unique(np.concatenate(all_steps)) if all_steps else np.array([], dtype=np.int64)
+    shape = tuple(array.size for array in coords.values())
+    dims = tuple(coords)
+    data: dict[str, np.ndarray] = {
+        "nll": np.empty(shape + (depths.size,)),
+        "loss": np.full(shape + (log_steps.size,), np.nan),
+        "loss_updates": np.zeros(shape + (log_steps.size,), dtype=np.int64),
+    }
+    if with_recall:
+        data["recall_bits"] = np.empty(shape + (depths.size,))
+    scalars = {name: [] for name, (extra_dims, *_) in GRID_VARIABLES.items() if not extra_dims}
+    for index, (key, cell, vectors) in enumerate(zip(expected, (given[k] for k in expected), parsed)):
+        position = np.unravel_index(index, shape)
+        data["nll"][position] = vectors["nll"]
+        if with_recall:
+            data["recall_bits"][position] = vectors["recall_bits"]
+        columns = np.searchsorted(log_steps, vectors["loss_steps"])
+        data["loss"][position + (columns,)] = vectors["loss"]
+        data["loss_updates"][position + (columns,)] = vectors["loss_updates"]
+        for name in scalars:
+            scalars[name].append(_scalar(cell[name], name, GRID_VARIABLES[name][1], _cell_name(coords, key)))
+    for name, values in scalars.items():
+        kind = GRID_VARIABLES[name][1]
+        dtype = {"f": np.float64, "i": np.int64, "U": str}[kind]
+        data[name] = np.array(values, dtype=dtype).reshape(shape)
+
+    variables = {name: (dims + GRID_VARIABLES[name][0], data[name]) for name in GRID_VARIABLES if name in data}
+    ds = xr.Dataset(
+        variables,
+        coords={**coords, SERVING_DIM: depths.astype(np.int64), LOG_STEP_DIM: log_steps.astype(np.int64)},
+        attrs={**attrs, "kind": KIND},
+    )
+    return describe(ds)
+
+
+def describe(ds: xr.Dataset) -> xr.Dataset:
+    """`ds` with `long_name` and `units` on every variable and coordinate of the schema
+    (a grid axis: long_name 'grid axis NAME', units '1')."""
+    for name, (_, _, long_name, units) in GRID_VARIABLES.items():
+        if name in ds:
+            ds[name].attrs.update(long_name=long_name, units=units)
+    for name, (long_name, units) in COORDINATES.items():
+        if name in ds.coords:
+            ds[name].attrs.update(long_name=long_name, units=units)
+    for name in grid_axes(ds):
+        ds[name].attrs.update(long_name=f"grid axis {name}", units="1")
+    return ds
+
+
+def grid_axes(ds: xr.Dataset) -> tuple[str, ...]:
+    """The grid's axes, in order (the dims of its per-cell variables)."""
+    return tuple(ds["updates"].dims)
+
+
+def is_grid_dataset(ds: xr.Dataset) -> bool:
+    return ds.attrs.get("kind") == KIND
+
+
+def validate_grid(ds: xr.Dataset, source) -> None:
+    """Raise InputError("SOURCE: problem") unless `ds` follows the grid schema."""
+    if not is_grid_dataset(ds):
+        raise InputError(f"{source}: not a grid file (no kind = {KIND!r} attribute)")
+    if "updates" not in ds.data_vars:
+        raise InputError(f"{source}: not a grid file (no variable 'updates')")
+    axes = grid_axes(ds)
+    for name, (extra_dims, kind, _, _) in GRID_VARIABLES.items():
+        if name not in ds.data_vars:
+            if name in OPTIONAL_VARIABLES:
+                continue
+            raise InputError(f"{source}: not a grid file (no variable {name!r})")
+        if ds[name].dims != axes + extra_dims:
+            raise InputError(f"{source}: variable {name!r} has dims {ds[name].dims}, expected {axes + extra_dims}")
+        if ds[name].dtype.kind not in {"f": "f", "i": "iu", "U": "UO"}[kind]:
+            raise InputError(f"{source}: variable {name!r} has dtype {ds[name].dtype}")
+    for coord in (*axes, SERVING_DIM, LOG_STEP_DIM):
+        if coord not in ds.coords:
+            raise InputError(f"{source}: missing coordinate {coord!r}")
+    for coord in (SERVING_DIM, LOG_STEP_DIM):
+        if not np.issubdtype(ds[coord].dtype, np.integer):
+            raise InputError(f"{source}: coordinate {coord!r} has dtype {ds[coord].dtype}, expected integers")
+
+
+def open_grid(path: str | os.PathLike) -> xr.Dataset:
+    """A collected grid file, loaded into memory (file closed) and validated; InputError naming
+    the file for anything else (a results or monitor file included)."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: no such file")
+    try:
+        with xr.open_dataset(path, engine=ENGINE) as ds:
+            ds = ds.load()
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise InputError(f"{path}: not a readable grid file ({reason})") from None
+    validate_grid(ds, path)
+    ds.attrs = {key: value.item() if isinstance(value, np.generic) else value for key, value in ds.attrs.items()}
+    return ds
+
+
+# --- statistics over seeds ---------------------------------------------------------------------
+
+
+def seed_band(values: xr.DataArray, *, band: Band = "t95", seed_dim: str = "seed") -> xr.Dataset:
+    """The mean over seeds and a band around it, at every index of the other dims.
+
+    band 't95': the Student-t 95% interval for the mean (`analysis.stats.interval_over`);
+    band 'range': the minimum and maximum across seeds (the paper's Figures 2, 3 and 8).
+    NaN values (a missing metrics line) are left out and do not count in `n`; with fewer
+    than two finite seeds, or no `seed_dim` at all (n = 1), the bounds are NaN. Returns
+    `mean`, `lower`, `upper` (with `values`' long_name and units) and `n`, attributes
+    `band` and `seed_dim`.
+    """
+    if band not in ("t95", "range"):
+        raise InputError(f"band must be 't95' or 'range', got {band!r}")
+    if seed_dim not in values.dims:
+        mean = values.astype(np.float64)
+        nan = xr.full_like(mean, np.nan)
+        bands = xr.Dataset({"mean": mean, "lower": nan, "upper": nan, "n": mean.notnull().astype(np.int64)})
+    elif band == "t95":
+        bands = interval_over(values, seed_dim, options=IntervalOptions(level=0.95, method="t"))
+    else:
+        values = values.transpose(..., seed_dim)
+        n = values.count(seed_dim)
+        spread = n >= 2
+        bands = xr.Dataset(
+            {
+                "mean": values.mean(seed_dim, skipna=True),
+                "lower": values.min(seed_dim, skipna=True).where(spread),
+                "upper": values.max(seed_dim, skipna=True).where(spread),
+                "n": n.astype(np.int64),
+            }
+        )
+    for name in ("mean", "lower", "upper"):
+        bands[name].attrs = {key: values.attrs[key] for key in ("long_name", "units") if key in values.attrs}
+    bands["n"].attrs = {"long_name": "seeds with a finite value", "units": "1"}
+    bands.attrs = {"band": band, "seed_dim": seed_dim}
+    return bands
+
+
+def band_description(bands: xr.Dataset, unit: str = "seed") -> str:
+    """'mean and 95% CI over 3 seeds' or 'mean and range across 3 seeds' (n from `bands`);
+    'one seed: no band' when no band could be formed."""
+    counts = np.unique(bands["n"].values[bands["n"].values > 0]) if bands["n"].size else np.array([])
+    if counts.size == 0 or counts.max() < 2:
+        return f"one {unit}: no band"
+    count = str(int(counts[0])) if counts.size == 1 else f"{int(counts.min())}-{int(counts.max())}"
+    what = "95% CI (Student-t) over" if bands.attrs.get("band") == "t95" else "range (min-max) across"
+    return f"mean and {what} {count} {unit}s"
+
+
+def terminal_window(updates, fraction: float = TERMINAL_FRACTION):
+    """W = max(1, round(fraction * updates)) (halves round to even), elementwise."""
+    if not 0 < fraction <= 1:
+        raise InputError(f"the terminal fraction must be in (0, 1], got {fraction}")
+    return np.maximum(1, np.rint(np.asarray(updates, dtype=np.float64) * fraction)).astype(np.int64)
+
+
+def terminal_loss(ds: xr.Dataset, *, fraction: float = TERMINAL_FRACTION) -> xr.DataArray:
+    """Each cell's mean training loss over its final W = max(1, round(fraction * updates))
+    updates, 0-based steps updates-W .. updates-1 (the paper's terminal NLL: the final 200
+    of 4,800 updates, scaled to the run length).
+
+    A metrics line at step s whose mean covers u updates covers steps s-u+1..s; the mean
+    is update-weighted, and a line straddling the window's start counts with the updates
+    it has inside the window (taking its mean as the mean of those too). NaN when no line
+    reaches into the window.
+    """
+    windows = ds["updates"].copy(data=terminal_window(ds["updates"].values, fraction))
+    end_of_line = ds[LOG_STEP_DIM]
+    start_of_line = end_of_line - ds["loss_updates"] + 1
+    window_start, window_end = ds["updates"] - windows, ds["updates"] - 1
+    overlap = (np.minimum(end_of_line, window_end) - np.maximum(start_of_line, window_start) + 1).clip(min=0)
+    overlap = overlap.where(ds["loss"].notnull(), 0)
+    weighted = (ds["loss"].fillna(0.0) * overlap).sum(LOG_STEP_DIM)
+    total = overlap.sum(LOG_STEP_DIM)
+    result = (weighted / total.where(total > 0)).transpose(*grid_axes(ds))
+    result.attrs = {"long_name": "mean training loss over the terminal window", "units": "nats"}
+    return result.rename("terminal_loss")
+
+
+def _serving_list(ds: xr.Dataset, serving) -> list[int]:
+    depths = [int(d) for d in serving]
+    available = set(int(d) for d in ds[SERVING_DIM].values)
+    missing = [d for d in depths if d not in available]
+    if not depths or missing:
+        raise InputError(f"serving depth {missing[0] if missing else '(none)'} is not in the grid's serving depths")
+    return depths
+
+
+def serving_label(serving) -> str:
+    """'1-16' for a contiguous run of depths, else the depths joined by commas."""
+    depths = [int(d) for d in serving]
+    if len(depths) > 1 and depths == list(range(depths[0], depths[-1] + 1)):
+        return f"{depths[0]}-{depths[-1]}"
+    return ",".join(map(str, depths))
+
+
+def mean_serving_nll(ds: xr.Dataset, serving: Sequence[int] = range(1, 17)) -> xr.DataArray:
+    """Each cell's NLL averaged over the `serving` depths (NaN when any of them is NaN)."""
+    depths = _serving_list(ds, serving)
+    result = ds["nll"].sel({SERVING_DIM: depths}).mean(SERVING_DIM, skipna=False)
+    result.attrs = {"long_name": f"mean NLL over serving depths {serving_label(depths)}", "units": "nats"}
+    return result.rename("mean_serving_nll")
+
+
+def require(ds: xr.Dataset, what: str, *, variables: Sequence[str] = (), dims: Sequence[str] = ()) -> None:
+    """InputError("WHAT needs ...") when `ds` lacks one of `variables` or `dims`."""
+    for name in variables:
+        if name not in ds.data_vars:
+            raise InputError(f"{what} needs the variable {name!r}, which the grid does not have")
+    for name in dims:
+        if name not in ds.dims:
+            raise InputError(f"{what} needs a grid axis {name!r}; the grid's axes are {list(grid_axes(ds))}")
+
+
+def schedules_and_seeds(ds: xr.Dataset, what: str, *, schedule_dim: str = "schedule", seed_dim: str = "seed"):
+    """`ds` with every axis but `schedule_dim` and `seed_dim` of length one dropped; InputError
+    when another axis has several values (select one first, e.g. ds.sel(budget=0.45))."""
+    require(ds, what, dims=[schedule_dim])
+    for name in grid_axes(ds):
+        if name in (schedule_dim, seed_dim):
+            continue
+        if ds.sizes[name] > 1:
+            raise InputError(
+                f"{what} compares schedules over seeds, but axis {name!r} has {ds.sizes[name]} values; "
+                f"select one first (ds.sel({name}=...))"
+            )
+        ds = ds.isel({name: 0}, drop=True)
+    return ds
+
+
+def select_schedules(ds: xr.Dataset, schedules: Sequence[str] | None, schedule_dim: str = "schedule") -> list[str]:
+    """The schedule labels to draw, in order: `schedules`, or all of the grid's."""
+    available = [str(label) for label in ds[schedule_dim].values]
+    if schedules is None:
+        return available
+    unknown = [label for label in schedules if label not in available]
+    if unknown:
+        raise InputError(f"schedule {unknown[0]!r} is not in the grid (it has {', '.join(available)})")
+    return list(schedules)
+
+
+def per_schedule(values: xr.DataArray, schedule_dim: str = "schedule"):
+    """One value per schedule label (the first along every other axis: a schedule's spec,
+    initial depth and switch fraction are the same for all its seeds)."""
+    values = values.isel({dim: 0 for dim in values.dims if dim != schedule_dim})
+    return {str(label): value.item() for label, value in zip(values[schedule_dim].values, values)}
+
+
+def paired_difference(values: xr.DataArray, reference: str, *, schedule_dim: str = "schedule") -> xr.DataArray:
+    """`values` minus the `reference` schedule's, paired cell by cell (the same seed)."""
+    labels = [str(label) for label in values[schedule_dim].values]
+    if reference not in labels:
+        raise InputError(f"the reference schedule {reference!r} is not in the grid (it has {', '.join(labels)})")
+    return values - values.sel({schedule_dim: reference}, drop=True)
+
+
+def paired_ratio(values: xr.DataArray, reference: str, *, schedule_dim: str = "schedule") -> xr.DataArray:
+    """`values` divided by the `reference` schedule's, paired cell by cell (the same seed)."""
+    labels = [str(label) for label in values[schedule_dim].values]
+    if reference not in labels:
+        raise InputError(f"the reference schedule {reference!r} is not in the grid (it has {', '.join(labels)})")
+    return values / values.sel({schedule_dim: reference}, drop=True)
+
+
+def normalised_recall(ds: xr.Dataset, *, schedule_dim: str = "schedule", seed_dim: str = "seed") -> xr.DataArray:
+    """Each schedule's seed-mean recall curve over serving depth divided by its own peak
+    (the maximum of that seed-mean curve), so every curve peaks at exactly 1."""
+    require(ds, "normalised recall", variables=["recall_bits"])
+    recall = ds["recall_bits"]
+    mean = recall.mean(seed_dim) if seed_dim in recall.dims else recall
+    result = mean / mean.max(SERVING_DIM)
+    result.attrs = {"long_name": "seed-mean recall / its peak over serving depths", "units": "1"}
+    return result
+
+
+def finish_family(finish: str) -> str:
+    """The family of a finishing distribution spec: 'uniform', 'pln', or the spec's own kind
+    ('fixed' for 'fixed:4')."""
+    return finish.partition(":")[0].strip()
+
+
+def switch_group(fraction: float) -> str | None:
+    """'67%' or '80%' for a switch fraction within 0.02 of 2/3 or 0.8; None without a switch;
+    otherwise the fraction as a percentage."""
+    if not math.isfinite(fraction):
+        return None
+    if abs(fraction - 2 / 3) <= 0.02:
+        return "67%"
+    if abs(fraction - 0.8) <= 0.02:
+        return "80%"
+    return f"{fraction:.0%}"
+
+
+# --- Table 3 -----------------------------------------------------------------------------------
+
+
+def _mean_sd(values: np.ndarray) -> tuple[float | None, float | None]:
+    """(mean, SD with ddof=1) of the finite values; None for what cannot be formed."""
+    values = np.asarray(values, dtype=np.float64).ravel()
+    values = values[np.isfinite(values)]
+    if values.size == 0:
+        return None, None
+    return float(values.mean()), (float(values.std(ddof=1)) if values.size > 1 else None)
+
+
+def _one_or_all(values) -> int | list[int]:
+    unique = sorted({int(v) for v in np.asarray(values).ravel()})
+    return unique[0] if len(unique) == 1 else unique
+
+
+def table3(
+    ds: xr.Dataset,
+    *,
+    rows: Sequence[str] | None = None,
+    reference: str = "uniform",
+    schedule_dim: str = "schedule",
+    seed_dim: str = "seed",
+    serving: Sequence[int] = range(1, 17),
+    terminal_fraction: float = TERMINAL_FRACTION,
+) -> list[dict]:
+    """The paper's Table 3: one row per schedule label (`rows`, default all, in grid order).
+
+    Keys: schedule, schedule_spec, n_seeds, updates, terminal_window (W), serving (e.g.
+    '1-16'), reference, and mean / SD over seeds (ddof=1; SD None with one seed) of:
+    terminal_nll (`terminal_loss`), serving_nll (`mean_serving_nll`), flops_ratio (modeled
+    FLOPs / the reference's, per seed), wall_reduction (1 - wall time / the reference's,
+    per seed; None for the reference itself). JSON-ready: NaN is None. The grid must vary
+    only schedule and seed (other axes of length one are dropped).
+    """
+    ds = schedules_and_seeds(ds, "Table 3", schedule_dim=schedule_dim, seed_dim=seed_dim)
+    labels = select_schedules(ds, rows, schedule_dim)
+    if reference not in [str(label) for label in ds[schedule_dim].values]:
+        raise InputError(f"the reference schedule {reference!r} is not in the grid")
+    terminal = terminal_loss(ds, fraction=terminal_fraction)
+    serving_nll = mean_serving_nll(ds, serving)
+    flops_ratio = paired_ratio(ds["modeled_flops"], reference, schedule_dim=schedule_dim)
+    wall_reduction = 1 - paired_ratio(ds["wall_time"], reference, schedule_dim=schedule_dim)
+    windows = ds["updates"].copy(data=terminal_window(ds["updates"].values, terminal_fraction))
+    specs = per_schedule(ds["schedule_spec"], schedule_dim)
+    table = []
+    for label in labels:
+        pick = {schedule_dim: label}
+        row = {
+            "schedule": label,
+            "schedule_spec": specs[label],
+            "n_seeds": int(ds.sizes.get(seed_dim, 1)),
+            "updates": _one_or_all(ds["updates"].sel(pick).values),
+            "terminal_window": _one_or_all(windows.sel(pick).values),
+            "serving": serving_label(serving),
+            "reference": reference,
+        }
+        for name, values in (
+            ("terminal_nll", terminal),
+            ("serving_nll", serving_nll),
+            ("flops_ratio", flops_ratio),
+            ("wall_reduction", wall_reduction),
+        ):
+            mean, sd = (None, None) if name == "wall_reduction" and label == reference else _mean_sd(values.sel(pick))
+            row[f"{name}_mean"], row[f"{name}_sd"] = mean, sd
+        table.append(row)
+    return table
+
+
+def _with_sd(mean: float | None, sd: float | None, digits: int = 5) -> str:
+    if mean is None:
+        return "–"
+    return f"{mean:.{digits}f}" + (f" ± {sd:.{digits}f}" if sd is not None else "")
+
+
+def _percent(mean: float | None, sd: float | None) -> str:
+    if mean is None:
+        return "–"
+    text = f"{mean:.1%}"
+    return text + (f" ± {sd:.1%}" if sd is not None and round(sd * 1000) > 0 else "")
+
+
+def _updates_text(value) -> str:
+    return f"{value:,}" if isinstance(value, int) else "/".join(f"{v:,}" for v in value)
+
+
+def format_table3(rows: list[dict]) -> str:
+    """`table3` rows as a Markdown table with the paper's columns, then a one-line footnote
+    (mean ± SD over N seeds, the terminal window, what the FLOPs and wall-clock columns are
+    relative to)."""
+    if not rows:
+        raise InputError("Table 3 has no rows")
+    serving = rows[0]["serving"]
+    lines = [
+        f"| schedule | updates | terminal NLL | mean serving NLL ({serving}) | modeled FLOPs | wall-clock reduction |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        cells = (
+            row["schedule"],
+            _updates_text(row["updates"]),
+            _with_sd(row["terminal_nll_mean"], row["terminal_nll_sd"]),
+            _with_sd(row["serving_nll_mean"], row["serving_nll_sd"]),
+            _percent(row["flops_ratio_mean"], row["flops_ratio_sd"]),
+            _percent(row["wall_reduction_mean"], row["wall_reduction_sd"]),
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    seeds = sorted({row["n_seeds"] for row in rows})
+    n = str(seeds[0]) if len(seeds) == 1 else f"{seeds[0]}-{seeds[-1]}"
+    spans = sorted({(_updates_text(row["terminal_window"]), _updates_text(row["updates"])) for row in rows})
+    window = "; ".join(f"the final {w} of {u} updates" for w, u in spans)
+    reference = rows[0]["reference"]
+    lines.append("")
+    lines.append(
+        f"Mean ± SD (ddof 1) over {n} seeds; terminal NLL: mean training loss over {window}; "
+        f"modeled FLOPs relative to {reference}; wall-clock reduction = 1 − wall time / {reference}'s, "
+        "paired by seed."
+    )
+    return "\n".join(lines)
