@@ -607,3 +607,69 @@ def format_table3(rows: list[dict]) -> str:
         "paired by seed."
     )
     return "\n".join(lines)
+
+
+# --- Figure 2 ----------------------------------------------------------------------------------
+
+FAMILY_ORDER = ("uniform", "pln")
+"""Rows of Figure 2 come in this order; any other family (e.g. 'fixed') follows in grid order."""
+
+
+def figure2_points(
+    ds: xr.Dataset,
+    *,
+    reference: str = "uniform",
+    serving: Sequence[int] = range(1, 17),
+    schedule_dim: str = "schedule",
+    seed_dim: str = "seed",
+) -> xr.Dataset:
+    """One point per schedule for Figure 2's left column: modeled FLOPs relative to the
+    `reference` (per seed ratio) and the mean serving NLL over `serving`, each as the seed
+    mean and the range across seeds (`flops_mean/lower/upper`, `nll_mean/lower/upper`, `n`),
+    with `family` (`finish_family` of `finish`), `initial_depth` and `switch_fraction` as
+    coordinates along `schedule_dim`."""
+    ds = schedules_and_seeds(ds, "figure 2", schedule_dim=schedule_dim, seed_dim=seed_dim)
+    flops = seed_band(
+        paired_ratio(ds["modeled_flops"], reference, schedule_dim=schedule_dim), band="range", seed_dim=seed_dim
+    )
+    nll = seed_band(mean_serving_nll(ds, serving), band="range", seed_dim=seed_dim)
+    points = xr.Dataset(
+        {
+            **{f"flops_{key}": flops[key] for key in ("mean", "lower", "upper")},
+            **{f"nll_{key}": nll[key] for key in ("mean", "lower", "upper")},
+            "n": nll["n"],
+        }
+    )
+    labels = [str(label) for label in ds[schedule_dim].values]
+    finishes, depths, fractions = (
+        per_schedule(ds[name], schedule_dim) for name in ("finish", "initial_depth", "switch_fraction")
+    )
+    points = points.assign_coords(
+        family=(schedule_dim, [finish_family(finishes[label]) for label in labels]),
+        initial_depth=(schedule_dim, [int(depths[label]) for label in labels]),
+        switch_fraction=(schedule_dim, [float(fractions[label]) for label in labels]),
+    )
+    points.attrs = {"band": "range", "seed_dim": seed_dim, "reference": reference, "serving": serving_label(serving)}
+    return points
+
+
+def families(points: xr.Dataset) -> list[str]:
+    """Figure 2's rows: the finishing families present, uniform and pln first."""
+    present = list(dict.fromkeys(str(family) for family in points["family"].values))
+    return [family for family in FAMILY_ORDER if family in present] + [
+        family for family in present if family not in FAMILY_ORDER
+    ]
+
+
+def closest_switch(points: xr.Dataset, labels: Sequence[str], target: float = 2 / 3, schedule_dim="schedule"):
+    """The labels among `labels` whose switch fraction is the one closest to `target` (all
+    schedules sharing it); [] when none of them has a switch."""
+    fractions = {
+        label: float(points["switch_fraction"].sel({schedule_dim: label}))
+        for label in labels
+        if math.isfinite(float(points["switch_fraction"].sel({schedule_dim: label})))
+    }
+    if not fractions:
+        return []
+    best = min(abs(value - target) for value in fractions.values())
+    return [label for label, value in fractions.items() if abs(value - target) == best]

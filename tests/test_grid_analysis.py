@@ -11,7 +11,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import scipy.stats  # noqa: E402
 import xarray as xr  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 
+from analysis.figures import figure1, figure2, figure3_loss, figure5, figure8  # noqa: E402
 from analysis.grid import (  # noqa: E402
     KIND,
     format_table3,
@@ -268,3 +270,89 @@ def test_format_table3():
 def test_normalised_recall_peaks_at_one():
     peaks = normalised_recall(grid()).max("serving_depth")
     np.testing.assert_array_equal(peaks.values, 1.0)
+
+
+# --- figures ------------------------------------------------------------------------------------
+
+
+def test_figure1_one_panel_per_budget():
+    ds = grid(schedules=("fixed4", "ff80", "uniform"), budgets=[0.15, 0.45, 1.0])
+    fig = figure1(ds)
+    assert isinstance(fig, Figure) and len(fig.axes) == 3
+    for ax, percent in zip(fig.axes, ("15%", "45%", "100%")):
+        # One mean line per schedule and the dashed ceiling.
+        assert len(ax.lines) == 3 + 1
+        assert ax.get_title() == f"{percent} of the FLOP budget"
+        assert ax.get_xscale() == "log"
+        band = seed_band(ds["recall_bits"].sel(budget=float(percent[:-1]) / 100, schedule="ff80"))
+        np.testing.assert_allclose(ax.lines[1].get_ydata(), band["mean"].values)
+    assert "mean and 95% CI (Student-t) over 3 seeds" in fig.get_suptitle()
+    assert len(figure1(ds, schedules=["uniform"]).axes[0].lines) == 2
+
+
+def test_figure1_refuses_a_grid_without_budget_or_recall():
+    with pytest.raises(InputError, match="figure 1 needs a grid axis 'budget'"):
+        figure1(grid())
+    with pytest.raises(InputError, match="figure 1 needs the variable 'recall_bits'"):
+        figure1(grid(budgets=[1.0], recall=False))
+    with pytest.raises(InputError, match="schedule 'nope' is not in the grid"):
+        figure1(grid(budgets=[1.0]), schedules=["nope"])
+
+
+def test_figure5_curves_peak_at_one():
+    fig = figure5(grid(), schedules=["fixed4", "ff80", "uniform"])
+    (ax,) = fig.axes
+    curves = [line for line in ax.lines if line.get_label() in ("fixed4", "ff80", "uniform")]
+    assert len(curves) == 3
+    for line in curves:
+        assert np.max(line.get_ydata()) == 1.0
+    # Training depths: fixed4 and ff80 at 4 (uniform has none): two dotted lines at x = 4.
+    dotted = [line for line in ax.lines if line.get_linestyle() == ":"]
+    assert [line.get_xdata()[0] for line in dotted] == [4, 4]
+    assert "divided by its own peak" in ax.get_title() and "3 seeds" in ax.get_title()
+
+
+def test_figure8_full_and_zoom():
+    fig = figure8(grid())
+    left, right = fig.axes
+    assert len(left.lines) == len(right.lines) == len(SCHEDULES)
+    assert right.get_xlim() == (4, 16)
+    assert "range (min-max) across 3 seeds" in fig.get_suptitle()
+
+
+def test_figure3_loss_marks_the_switches():
+    fig = figure3_loss(grid(), terminal_fraction=0.1)
+    left, right = fig.axes
+    # Five loss curves and a dotted switch for each of the three fixed-first schedules.
+    switched = [line for line in left.lines if line.get_linestyle() == ":"]
+    assert len(left.lines) == 5 + 3 and sorted(line.get_xdata()[0] for line in switched) == [67, 67, 80]
+    assert right.get_xlim() == (90, 99)
+    assert "range (min-max) across 3 seeds" in fig.get_suptitle()
+
+
+def test_figure2_rows_by_finishing_family():
+    fig = figure2(grid())
+    # Rows: uniform (ff67, ff80), pln (pln67), fixed (fixed4); the reference star in every row.
+    assert len(fig.axes) == 6
+    (uniform_left, uniform_right, pln_left, pln_right, fixed_left, fixed_right) = fig.axes
+    assert len(uniform_left.lines) == 3 and len(pln_left.lines) == 2 and len(fixed_left.lines) == 2
+    # Right: the 67% schedule's difference and the zero line; none in the fixed row.
+    assert len(uniform_right.lines) == 2 and len(pln_right.lines) == 2 and len(fixed_right.lines) == 1
+    difference = uniform_right.lines[0]
+    assert difference.get_label() == "ff67"
+    # ff67 minus uniform: 0.1 * (1 - 4) at every depth and seed.
+    np.testing.assert_allclose(difference.get_ydata(), -0.3)
+    filled = {bars.get_label(): bars.lines[0].get_markerfacecolor() for bars in uniform_left.containers}
+    assert filled["ff80 (K0=4, switch 80%)"] == "none" and filled["ff67 (K0=4, switch 67%)"] != "none"
+    assert "positive = worse than uniform" in uniform_right.get_title()
+
+
+def test_grid_figures_render(tmp_path):
+    from analysis.figures import save_figure
+
+    ds = grid(budgets=[0.15, 1.0])
+    save_figure(figure1(ds), tmp_path / "figure1.png", dpi=40)
+    single = ds.sel(budget=[1.0])
+    for name, make in (("figure2", figure2), ("figure3", figure3_loss), ("figure5", figure5), ("figure8", figure8)):
+        save_figure(make(single), tmp_path / f"{name}.png", dpi=40)
+        assert (tmp_path / f"{name}.png").stat().st_size > 0
