@@ -696,6 +696,7 @@ def plot_loss_curves(
     *,
     switch_steps: dict[str, list[int]] | None = None,
     window: tuple[int, int] | None = None,
+    schedule_dim: str = "schedule",
     ax: Axes | None = None,
 ) -> Axes:
     """Training loss against step, one mean line and band per schedule (`seed_band` of `loss`
@@ -703,9 +704,9 @@ def plot_loss_curves(
     (first, last step) the axes zoom on it (the terminal window)."""
     if ax is None:
         ax = _new_axes()
-    labels = [str(label) for label in bands["schedule"].values]
+    labels = [str(label) for label in bands[schedule_dim].values]
     colors = _schedule_colors(labels)
-    plot_schedule_bands(bands, x_dim="log_step", colors=colors, ax=ax)
+    plot_schedule_bands(bands, x_dim="log_step", schedule_dim=schedule_dim, colors=colors, ax=ax)
     for label in labels:
         for step in (switch_steps or {}).get(label, []):
             ax.axvline(step, color=colors[label], **SWITCH_LINE)
@@ -741,9 +742,9 @@ def figure3_loss(
     with sns.axes_style(STYLE):
         fig = Figure(figsize=(11.0, 4.2), layout="constrained")
         left, right = fig.subplots(1, 2)
-    plot_loss_curves(bands, switch_steps=switches, ax=left)
+    plot_loss_curves(bands, switch_steps=switches, schedule_dim=schedule_dim, ax=left)
     left.axvspan(*window, color="0.85", zorder=0)
-    plot_loss_curves(bands, switch_steps=switches, window=window, ax=right)
+    plot_loss_curves(bands, switch_steps=switches, window=window, schedule_dim=schedule_dim, ax=right)
     left.set_title("whole run (dotted: each schedule's switch; shaded: terminal window)", fontsize="small")
     right.set_title(
         f"terminal window: steps {window[0]}-{window[1]} (the final {window[1] - window[0] + 1} updates)",
