@@ -42,7 +42,8 @@ TRAINER_SOURCES := $(filter-out trainer/corpus.py,$(wildcard trainer/*.py)) $(wi
 DIAG_SOURCES := $(wildcard diag/*.py)
 ANALYSIS_SOURCES := $(wildcard analysis/*.py)
 
-.PHONY: setup figure4 figure4-files figure-map summary reference sensitivity monitor test test-slow bench flops clean corpus lint
+.PHONY: setup figure4 figure4-files figure-map summary reference sensitivity monitor test test-slow bench flops clean corpus lint \
+  figure1 figure2 figure3-loss figure5 table3
 .DELETE_ON_ERROR:
 
 setup: $(VENV)/.installed
@@ -150,6 +151,59 @@ $(RESULTS)/monitor-seed%.txt: $(RUNS)/seed%/summary.json $(ANALYSIS_SOURCES)
 monitor: $(VENV)/.installed
 	$(MAKE) --no-print-directory -j $(JOBS) $(MONITOR_OUTPUTS)
 	cat $(filter %.txt,$(MONITOR_OUTPUTS))
+
+# --- The paper's schedule comparisons: experiment grids (grids/*.toml) -------------------
+# Each grid trains its cells (finished cells are skipped, an interrupted one resumes), then
+# evaluates every cell at serving depths 1..64 into results/grids/GRID.h5; the figures and
+# Table 3 are drawn from that file. The reduced default grids run the d_model=64 bioS
+# config (configs/grid-tiny.toml); more seeds: GRID_OPTIONS="--axis seed=0,1,2,3"; another
+# base config (paper scale): make figure1 CONFIG=configs/paper-200m.toml.
+GRID_JOBS ?= 2
+GRID_THREADS ?= 1
+GRID_OPTIONS ?=
+GRID_SERVING ?= 1-64
+GRID_CONFIG := $(if $(filter command line,$(origin CONFIG)),$(CONFIG),configs/grid-tiny.toml)
+GRID_BASE := $(if $(filter command line,$(origin CONFIG)),--base $(CONFIG))
+GRID_SUFFIX := $(if $(filter command line,$(origin CONFIG)),-$(NAME))
+GRIDS ?= grids
+GRID_RUNS ?= runs/grids
+GRID_RESULTS ?= results/grids
+
+# The stamp marks a grid whose cells are trained (precious: make must not delete it as an
+# intermediate file); a changed base config or trainer source
+# retrains every cell (as for figure4's runs), a changed grid file only its new cells.
+$(GRID_RUNS)/%$(GRID_SUFFIX)/.trained: $(GRIDS)/%.toml $(GRID_CONFIG) $(TRAINER_SOURCES) diag/grid.py | $(VENV)/.installed
+	if [ -e $@ ] && [ -n "$$(find $(GRID_CONFIG) $(TRAINER_SOURCES) -newer $@)" ]; then rm -rf $(dir $@); fi
+	$(DEPTHDIAG) grid run $< --runs $(dir $@) --jobs $(GRID_JOBS) --threads $(GRID_THREADS) $(GRID_BASE) $(GRID_OPTIONS)
+	touch $@
+
+.PRECIOUS: $(GRID_RUNS)/%/.trained
+
+$(GRID_RESULTS)/%$(GRID_SUFFIX).h5: $(GRID_RUNS)/%$(GRID_SUFFIX)/.trained $(GRIDS)/%.toml diag/grid.py analysis/grid.py
+	mkdir -p $(dir $@)
+	OMP_NUM_THREADS=$(GRID_JOBS) $(DEPTHDIAG) grid collect $(GRIDS)/$*.toml --runs $(dir $<) --out $@ --force \
+	  --serving $(GRID_SERVING) $(GRID_BASE) $(GRID_OPTIONS)
+
+$(GRID_RESULTS)/figure1$(GRID_SUFFIX).png: $(GRID_RESULTS)/figure1$(GRID_SUFFIX).h5 $(ANALYSIS_SOURCES)
+	$(DEPTHDIAG) plot $< --figure 1 --out $@ --force
+$(GRID_RESULTS)/figure5$(GRID_SUFFIX).png: $(GRID_RESULTS)/figure5$(GRID_SUFFIX).h5 $(ANALYSIS_SOURCES)
+	$(DEPTHDIAG) plot $< --figure 5 --out $@ --force
+$(GRID_RESULTS)/figure2$(GRID_SUFFIX).png: $(GRID_RESULTS)/figure2$(GRID_SUFFIX).h5 $(ANALYSIS_SOURCES)
+	$(DEPTHDIAG) plot $< --figure 2 --out $@ --force
+$(GRID_RESULTS)/figure8$(GRID_SUFFIX).png: $(GRID_RESULTS)/figure2$(GRID_SUFFIX).h5 $(ANALYSIS_SOURCES)
+	$(DEPTHDIAG) plot $< --figure 8 --out $@ --force
+$(GRID_RESULTS)/figure3-loss$(GRID_SUFFIX).png: $(GRID_RESULTS)/schedules$(GRID_SUFFIX).h5 $(ANALYSIS_SOURCES)
+	$(DEPTHDIAG) plot $< --figure 3-loss --out $@ --force
+$(GRID_RESULTS)/table3$(GRID_SUFFIX).md: $(GRID_RESULTS)/schedules$(GRID_SUFFIX).h5 $(ANALYSIS_SOURCES)
+	$(DEPTHDIAG) grid table $< > $@.tmp && mv $@.tmp $@
+	$(DEPTHDIAG) grid table $< --json > $(basename $@).json.tmp && mv $(basename $@).json.tmp $(basename $@).json
+	cat $@
+
+figure1: $(GRID_RESULTS)/figure1$(GRID_SUFFIX).png
+figure5: $(GRID_RESULTS)/figure5$(GRID_SUFFIX).png
+figure2: $(GRID_RESULTS)/figure2$(GRID_SUFFIX).png $(GRID_RESULTS)/figure8$(GRID_SUFFIX).png
+figure3-loss: $(GRID_RESULTS)/figure3-loss$(GRID_SUFFIX).png
+table3: $(GRID_RESULTS)/table3$(GRID_SUFFIX).md
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

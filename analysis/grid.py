@@ -471,8 +471,10 @@ def normalised_recall(ds: xr.Dataset, *, schedule_dim: str = "schedule", seed_di
 
 def finish_family(finish: str) -> str:
     """The family of a finishing distribution spec: 'uniform', 'pln', or the spec's own kind
-    ('fixed' for 'fixed:4')."""
-    return finish.partition(":")[0].strip()
+    ('fixed' for 'fixed:4'). The progressive curriculum ends as the Poisson-lognormal it
+    ramps up to, so it is the baseline of the 'pln' family."""
+    kind = finish.partition(":")[0].strip()
+    return "pln" if kind == "progressive" else kind
 
 
 def switch_group(fraction: float) -> str | None:

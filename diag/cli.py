@@ -36,6 +36,9 @@ from common.errors import EXIT_BAD_INPUT, EXIT_RUN_FAILED, InputError, RunFailed
 if TYPE_CHECKING:
     from analysis.stats import IntervalOptions
 
+GRID_FIGURES = ("1", "2", "3-loss", "5", "8")
+"""The figures `plot` draws from a collected grid file."""
+
 
 def _os_error_line(err: OSError) -> str:
     """'PATH: reason' for an OS error, on one line (some libraries put several in theirs)."""
@@ -579,12 +582,15 @@ def summarize(results: tuple[Path, ...], as_json: bool, options: IntervalOptions
 @click.option(
     "--figure",
     "figure_number",
-    type=click.Choice(["4", "map", "monitor"]),
+    type=click.Choice(["4", "map", "monitor", *GRID_FIGURES]),
     default="4",
     show_default=True,
     help="Which figure: the paper's Figure 4 (results files); map: which update depth helps which serving "
     "depth, at the switch and after 16 uniform updates (results files diagnosed with several update depths, "
-    "e.g. --update-depths 4,1,2,8,16); or a run's monitor file (RUN/monitor.h5).",
+    "e.g. --update-depths 4,1,2,8,16); monitor: a run's monitor file (RUN/monitor.h5); or from a collected "
+    "grid file (depthdiag grid collect): 1 (recall by serving depth at each FLOP budget), 2 (serving NLL "
+    "against modeled FLOPs), 3-loss (training-loss trajectories), 5 (peak-normalised recall of fixed "
+    "depths), 8 (NLL by serving depth).",
 )
 @click.option(
     "--out",
@@ -606,6 +612,9 @@ def plot(results: tuple[Path, ...], figure_number: str, out: Path, force: bool, 
     from common.lock import refuse_existing
 
     refuse_existing(figure_paths(out), force=force)
+    if figure_number in GRID_FIGURES:
+        _plot_grid(results, figure_number, out, force)
+        return
     monitor = _monitor_file(results)
     if (monitor is not None) != (figure_number == "monitor"):
         wanted = "a monitor file (RUN/monitor.h5)" if figure_number == "monitor" else "results files"
@@ -625,6 +634,25 @@ def plot(results: tuple[Path, ...], figure_number: str, out: Path, force: bool, 
     for warning in caught:
         click.echo(f"depthdiag: warning: {warning.message}", err=True)
     for path in save_figure(fig, out, force=force):
+        click.echo(f"wrote {path}")
+
+
+def _plot_grid(results: tuple[Path, ...], figure_number: str, out: Path, force: bool) -> None:
+    from analysis import figures
+    from analysis.grid import open_grid
+
+    if len(results) != 1:
+        raise InputError(f"--figure {figure_number} draws one collected grid file, got {len(results)} files")
+    draw = {
+        "1": figures.figure1,
+        "2": figures.figure2,
+        "3-loss": figures.figure3_loss,
+        "5": figures.figure5,
+        "8": figures.figure8,
+    }[figure_number]
+    with naming_files(results):
+        fig = draw(open_grid(results[0]))
+    for path in figures.save_figure(fig, out, force=force):
         click.echo(f"wrote {path}")
 
 
@@ -739,6 +767,154 @@ def recommend(
         click.echo(json.dumps(_json_ready(recommendation.to_dict()), indent=2))
     else:
         click.echo(format_recommendation(recommendation))
+
+
+# --- grid ------------------------------------------------------------------------------------
+
+
+@main.group()
+def grid() -> None:
+    """Experiment grids: a TOML file names a base config and the axes to vary (schedule,
+    seed, budget, any config key); `grid run` trains every unfinished cell, `grid collect`
+    evaluates them all into one file with a dimension per axis, `grid table` prints the
+    paper's Table 3 from it and `plot --figure 1|2|3-loss|5|8` draws it. The grid file's
+    format: diag/grid.py, and the examples under grids/."""
+
+
+grid_file_argument = click.argument("grid_file", metavar="GRID", type=click.Path(dir_okay=False, path_type=Path))
+runs_option = click.option(
+    "--runs",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Folder of the cells' run directories (default: runs/<grid name>).",
+)
+base_option = click.option(
+    "--base",
+    "base_config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Use this run config as the grid's base instead of the one the grid file names (e.g. paper scale).",
+)
+axis_option = click.option(
+    "--axis",
+    "axis_values",
+    multiple=True,
+    metavar="NAME=V1,V2",
+    help="Replace the values of a list axis, e.g. --axis seed=0,1,2,3 (repeatable).",
+)
+
+
+def _grid_runs(grid_file: Path, runs: Path | None) -> Path:
+    return runs if runs is not None else Path("runs") / grid_file.stem
+
+
+@grid.command("run")
+@grid_file_argument
+@runs_option
+@base_option
+@axis_option
+@click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True, help="Cells trained side by side.")
+@click.option(
+    "--threads", type=click.IntRange(min=1), default=1, show_default=True, help="Torch threads of each cell's run."
+)
+@click.option("--dry-run", is_flag=True, help="List the cells (updates, modeled FLOPs, state) and train nothing.")
+@no_progress_option
+@reports_errors
+def grid_run(
+    grid_file: Path,
+    runs: Path | None,
+    base_config: Path | None,
+    axis_values: tuple[str, ...],
+    jobs: int,
+    threads: int,
+    dry_run: bool,
+    no_progress: bool,
+) -> None:
+    """Train every cell of GRID that has not finished: finished cells are skipped, an
+    interrupted one resumes from its newest checkpoint (bit-exactly), each in its own
+    `depthdiag train` process (output in RUNS/logs/). Exit 3 names the cells that failed."""
+    from diag.grid import format_cells, load_grid, run_grid
+
+    spec = load_grid(grid_file, axis_values, base=base_config)
+    runs = _grid_runs(grid_file, runs)
+    if dry_run:
+        click.echo(format_cells(spec, runs))
+        return
+    report = run_grid(spec, runs, jobs=jobs, threads=threads, progress=not no_progress)
+    click.echo(f"{runs}: {len(report.trained)} cell(s) trained, {len(report.skipped)} already finished")
+
+
+@grid.command("collect")
+@grid_file_argument
+@runs_option
+@base_option
+@axis_option
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    required=True,
+    help="The collected file (xarray/HDF5), e.g. results/grid-figure1.h5.",
+)
+@click.option(
+    "--serving",
+    default="1-64",
+    show_default=True,
+    help="Serving depths every cell is evaluated at (a range, a list or both).",
+)
+@click.option("--force", is_flag=True, help="Overwrite an existing --out file.")
+@max_depth_option
+@device_option
+@no_progress_option
+@reports_errors
+def grid_collect(
+    grid_file: Path,
+    runs: Path | None,
+    base_config: Path | None,
+    axis_values: tuple[str, ...],
+    out: Path,
+    serving: str,
+    force: bool,
+    max_depth: int,
+    device: str,
+    no_progress: bool,
+) -> None:
+    """Evaluate the final checkpoint of every cell of GRID at the --serving depths (NLL on
+    its evaluation set, and recalled bits per person on bioS) and write one file with a
+    dimension per grid axis, the cells' training-loss trajectories and modeled FLOPs. Each
+    cell's evaluation is kept in its run directory and reused while its checkpoint is the same."""
+    from analysis.store import write_results
+    from common.depths import parse_serving_depths
+    from common.lock import refuse_existing
+    from diag.grid import collect_grid, load_grid
+
+    refuse_existing([out], force=force)
+    spec = load_grid(grid_file, axis_values, base=base_config)
+    depths = parse_serving_depths(serving, limit=max_depth)
+    ds = collect_grid(spec, _grid_runs(grid_file, runs), serving=depths, device=device, progress=not no_progress)
+    click.echo(f"wrote {write_results(ds, out, force=force)}")
+
+
+@grid.command("table")
+@click.argument("collected", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--reference",
+    default="uniform",
+    show_default=True,
+    help="The schedule label FLOPs and wall-clock time are measured against.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (NaN as null) instead of Markdown.")
+@reports_errors
+def grid_table(collected: Path, reference: str, as_json: bool) -> None:
+    """The paper's Table 3 from a COLLECTED grid file: per schedule, terminal training NLL,
+    mean serving NLL over depths 1-16, modeled FLOPs relative to --reference and the measured
+    wall-clock reduction, mean and SD over seeds."""
+    from analysis.grid import format_table3, open_grid, table3
+
+    rows = table3(open_grid(collected), reference=reference)
+    if as_json:
+        click.echo(json.dumps(_json_ready(rows), indent=2))
+    else:
+        click.echo(format_table3(rows))
 
 
 if __name__ == "__main__":

@@ -217,7 +217,8 @@ class Snapshot:
         return optimizer
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes, hex (what a loaded snapshot's `sha256` holds)."""
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
@@ -278,7 +279,7 @@ def load_snapshot(path: str | Path, kind: str | None = None) -> Snapshot:
         optimizer_class=payload["optimizer_class"],
         batches=batches,
         eval_tokens=eval_tokens,
-        sha256=_sha256(path),
+        sha256=file_sha256(path),
         model_state=payload["model"],
         optimizer_state=payload["optimizer"],
         rng=payload.get("rng"),

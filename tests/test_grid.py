@@ -1,0 +1,261 @@
+"""Experiment grids (diag/grid.py): the grid file, budgets sized by the iso-FLOP solver, a
+killed grid that resumes its interrupted cell bit-exactly and skips finished ones, and the
+collected file with exactly one entry per cell."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from common.errors import InputError
+from diag.grid import cell_state, collect_grid, grid_cells, load_grid, run_grid
+from trainer.checkpoint import load_snapshot
+from trainer.flops import update_flops
+from trainer.train import latest_checkpoint
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing in the old oak tree".split()
+
+BASE = """
+[model]
+vocab_size = 256
+max_seq_len = 16
+d_model = 32
+n_heads = 2
+[data]
+source = "text"
+path = "{corpus}"
+eval_sequences = 4
+[optim]
+lr = 3e-3
+warmup = 3
+[train]
+schedule = "uniform:1-4"
+updates = 12
+batch_size = 8
+seq_len = 16
+checkpoint_every = 4
+snapshot_uniform_updates = []
+device = "cpu"
+log_every = 2
+"""
+
+
+@pytest.fixture
+def folder(tmp_path) -> Path:
+    """A folder with a byte-level text corpus and a toy base config (d=32: seconds per run)."""
+    rng = random.Random(0)
+    (tmp_path / "corpus.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(4000)), encoding="utf-8")
+    (tmp_path / "base.toml").write_text(BASE.format(corpus=tmp_path / "corpus.txt"), encoding="utf-8")
+    return tmp_path
+
+
+def write_grid(folder: Path, text: str, name: str = "grid.toml") -> Path:
+    path = folder / name
+    path.write_text('base = "base.toml"\n' + text, encoding="utf-8")
+    return path
+
+
+SCHEDULES = """
+[budget]
+match = "flops"
+reference = "uniform:1-4"
+[axes.schedule]
+fixed2 = "fixed:2"
+ff50 = "fixed-first:k0=2,switch=0.5,finish=uniform:1-4"
+uniform = "uniform:1-4"
+matched = { schedule = "uniform:1-4", flops_of = "ff50" }
+[axes]
+seed = [0, 1]
+budget = [0.5, 1.0]
+"""
+
+
+# --- the grid file and its cells ------------------------------------------------------------
+
+
+def test_cells_are_the_product_of_the_axes_in_order(folder):
+    cells = grid_cells(load_grid(write_grid(folder, SCHEDULES)))
+    assert len(cells) == 4 * 2 * 2
+    assert cells[0].name == "schedule=fixed2/seed=0/budget=0.5"
+    assert cells[-1].name == "schedule=matched/seed=1/budget=1.0"
+    assert {cell.config.train.seed for cell in cells} == {0, 1}
+    assert cells[0].config.train.schedule == "fixed:2"
+
+
+def test_flop_matched_budgets_agree_within_one_update(folder):
+    """Every schedule's run at a budget spends the reference's compute at that fraction, to
+    within the compute of one update of its own schedule (the iso-FLOP solver's guarantee)."""
+    spec = load_grid(write_grid(folder, SCHEDULES))
+    cells = grid_cells(spec)
+    model, tc = cells[0].config.model, cells[0].config.train
+    per_update_max = update_flops(model, 4, batch_size=tc.batch_size, seq_len=tc.seq_len)
+    reference = {c.key[1:]: c.modeled_flops for c in cells if c.key[0] == "uniform"}
+    for cell in cells:
+        seed, budget = cell.key[1:]
+        target = budget * reference[(seed, 1.0)]
+        if cell.key[0] == "matched":
+            target = next(c.modeled_flops for c in cells if c.key == ("ff50", seed, budget))
+        assert abs(cell.modeled_flops - target) <= per_update_max, cell.name
+    # The full-budget uniform run is the base's own length; fixed:2 affords more updates.
+    by_name = {cell.name: cell for cell in cells}
+    assert by_name["schedule=uniform/seed=0/budget=1.0"].config.train.updates == 12
+    assert by_name["schedule=fixed2/seed=0/budget=1.0"].config.train.updates > 12
+    assert by_name["schedule=uniform/seed=0/budget=0.5"].config.train.updates == 6
+
+
+def test_budgets_matched_on_updates_scale_the_base_length(folder):
+    spec = load_grid(
+        write_grid(
+            folder, '[budget]\nmatch = "updates"\n[axes]\nschedule = ["fixed:2", "fixed:4"]\nbudget = [0.25, 1]\n'
+        )
+    )
+    assert [cell.config.train.updates for cell in grid_cells(spec)] == [3, 12, 3, 12]
+
+
+def test_any_config_key_is_an_axis_and_set_applies_to_every_cell(folder):
+    spec = load_grid(write_grid(folder, '[set]\n"optim.warmup" = 5\n[axes]\n"optim.lr" = [0.001, 0.002]\n'))
+    cells = grid_cells(spec)
+    assert [cell.config.optim.lr for cell in cells] == [0.001, 0.002]
+    assert {cell.config.optim.warmup for cell in cells} == {5}
+    assert cells[0].name == "optim.lr=0.001"
+
+
+def test_axis_values_can_be_replaced_from_the_command_line(folder):
+    spec = load_grid(write_grid(folder, "[axes]\nseed = [0, 1]\n"), ["seed=0,1,2,3"])
+    assert [cell.config.train.seed for cell in grid_cells(spec)] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[axes]\n", "names no axis"),
+        ("[axes]\nbogus = [1]\n", "neither a config key"),
+        ("[axes]\nseed = [0, 0]\n", "repeats a label"),
+        ('[axes]\nschedule = ["fixed:0"]\n', "cell schedule=fixed:0"),
+        ("[axes]\nbudget = [0.5]\n", "needs a [budget] table"),
+        ('[budget]\nmatch = "bits"\n[axes]\nbudget = [0.5]\n', "match must be one of"),
+        ('[axes]\nschedule = { a = { schedule = "fixed:2", flops_of = "b" } }\n', "not a label of the axis"),
+        ('[axes]\nschedule = { "a/b" = "fixed:2" }\n', "names a directory"),
+        ("[axes]\nseed = [0]\n[extra]\n", "unknown key"),
+        ('[axes]\n"train.seed" = [-1]\n', "train.seed must be >= 0"),
+    ],
+)
+def test_a_bad_grid_file_is_one_clear_error(folder, text, message):
+    with pytest.raises(InputError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        grid_cells(load_grid(write_grid(folder, text)))
+
+
+def test_a_missing_grid_file_names_it(tmp_path):
+    with pytest.raises(InputError, match="no such grid file"):
+        load_grid(tmp_path / "absent.toml")
+
+
+# --- running --------------------------------------------------------------------------------
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_snapshot(latest_checkpoint(run_dir), kind="checkpoint").model_state
+
+
+def test_a_killed_grid_resumes_its_interrupted_cell_bit_exactly_and_skips_finished_ones(folder):
+    text = (
+        '[set]\n"train.checkpoint_every" = 10\n[axes]\n'
+        'schedule = { short = "fixed:2", long = { schedule = "fixed:2", "train.updates" = 300 } }\n'
+    )
+    grid = write_grid(folder, text)
+    runs = folder / "runs"
+    command = [sys.executable, "-m", "diag.cli", "grid", "run", str(grid), "--runs", str(runs), "--no-progress"]
+    process = subprocess.Popen(command, cwd=folder, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    long_dir = runs / "schedule=long"
+    deadline = time.monotonic() + 120
+    while not (long_dir / "checkpoints" / "step_000010.pt").exists():
+        assert process.poll() is None and time.monotonic() < deadline, "the long cell never wrote a checkpoint"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=60) != 0
+    spec = load_grid(grid)
+    short, long = grid_cells(spec)
+    assert cell_state(short, runs) == "finished"
+    assert cell_state(long, runs) == "interrupted"
+    short_checkpoint = latest_checkpoint(runs / short.name)
+    short_mtime = short_checkpoint.stat().st_mtime_ns
+
+    report = run_grid(spec, runs, progress=False)
+    assert report.skipped == (short.name,) and report.trained == (long.name,)
+    assert short_checkpoint.stat().st_mtime_ns == short_mtime
+    summary = json.loads((long_dir / "summary.json").read_text())
+    assert summary["updates"] == 300 and summary["resumed_from"] > 0
+
+    # The same cell trained without interruption ends with the same weights, to the bit.
+    clean = run_grid(spec, folder / "clean", progress=False)
+    assert set(clean.trained) == {short.name, long.name}
+    resumed, uninterrupted = final_weights(long_dir), final_weights(folder / "clean" / long.name)
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
+    # A second run has nothing left to do.
+    assert run_grid(spec, runs, progress=False).trained == ()
+
+
+def test_a_run_directory_of_another_config_is_refused_before_training(folder):
+    grid = write_grid(folder, '[axes]\nschedule = ["fixed:2"]\n')
+    runs = folder / "runs"
+    run_grid(load_grid(grid), runs, progress=False)
+    changed = write_grid(folder, '[set]\n"optim.lr" = 0.001\n[axes]\nschedule = ["fixed:2"]\n')
+    with pytest.raises(InputError, match=r"holds a run of another config \(optim.lr changed\)"):
+        run_grid(load_grid(changed), runs, progress=False)
+
+
+def test_a_failing_cell_is_reported_and_the_others_still_train(folder):
+    # lr = 1e3 diverges: that cell's train exits 3, the other cell finishes.
+    grid = write_grid(folder, '[axes]\n"optim.lr" = [1000.0, 0.003]\n')
+    from common.errors import RunFailed
+
+    with pytest.raises(RunFailed, match=r"1 of 2 cells failed: optim.lr=1000.0 \(exit 3, log "):
+        run_grid(load_grid(grid), folder / "runs", jobs=2, progress=False)
+    assert (folder / "runs" / "optim.lr=0.003" / "summary.json").is_file()
+
+
+# --- collecting -----------------------------------------------------------------------------
+
+
+def test_collect_has_exactly_one_entry_per_cell(folder):
+    grid = write_grid(
+        folder,
+        '[budget]\nmatch = "updates"\n[axes]\nschedule = ["fixed:2", "uniform:1-4"]\nseed = [0, 1]\n'
+        "budget = [0.5, 1]\n",
+    )
+    spec, runs = load_grid(grid), folder / "runs"
+    with pytest.raises(InputError, match="8 of 8 cells have not finished"):
+        collect_grid(spec, runs, serving=(1, 2, 3), progress=False)
+    run_grid(spec, runs, jobs=2, progress=False)
+    ds = collect_grid(spec, runs, serving=(1, 2, 3), progress=False)
+    assert dict(ds["nll"].sizes) == {"schedule": 2, "seed": 2, "budget": 2, "serving_depth": 3}
+    assert list(ds["schedule"].values) == ["fixed:2", "uniform:1-4"]
+    assert np.isfinite(ds["nll"].values).all()
+    assert ds["updates"].sel(budget=0.5).values.tolist() == [[6, 6], [6, 6]]
+    # Each cell's entry is its own run's: the final checkpoint's NLL and its metrics.
+    for cell in grid_cells(spec):
+        where = dict(cell.coords)
+        evaluated = final_nll(runs / cell.name, (1, 2, 3))
+        np.testing.assert_allclose(ds["nll"].sel(where).values, evaluated, rtol=0, atol=1e-12)
+        metrics = [json.loads(line) for line in (runs / cell.name / "metrics.jsonl").read_text().splitlines()]
+        losses = ds["loss"].sel(where).dropna("log_step")
+        assert losses["log_step"].values.tolist() == [m["step"] for m in metrics]
+        np.testing.assert_allclose(losses.values, [m["loss"] for m in metrics])
+    # A second collect reuses every cell's cached evaluation and gives the same file.
+    again = collect_grid(spec, runs, serving=(1, 2, 3), progress=False)
+    np.testing.assert_array_equal(again["nll"].values, ds["nll"].values)
+
+
+def final_nll(run_dir: Path, depths) -> np.ndarray:
+    from trainer.evaluate import evaluate_checkpoint
+
+    return evaluate_checkpoint(latest_checkpoint(run_dir), depths, device="cpu", progress=False)["nll"].values
