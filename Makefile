@@ -43,7 +43,7 @@ DIAG_SOURCES := $(wildcard diag/*.py)
 ANALYSIS_SOURCES := $(wildcard analysis/*.py)
 
 .PHONY: setup figure4 figure4-files figure-map summary reference sensitivity monitor test test-slow bench flops clean corpus lint \
-  figure1 figure2 figure3-loss figure5 table3
+  figure1 figure2 figure3-loss figure5 table3 finishing-phase
 .DELETE_ON_ERROR:
 
 setup: $(VENV)/.installed
@@ -161,7 +161,8 @@ monitor: $(VENV)/.installed
 GRID_JOBS ?= 2
 GRID_THREADS ?= 1
 GRID_OPTIONS ?=
-GRID_SERVING ?= 1-64
+# Serving depths of `grid collect` (default: each grid file's `serving`).
+GRID_SERVING ?=
 GRID_CONFIG := $(if $(filter command line,$(origin CONFIG)),$(CONFIG),configs/grid-tiny.toml)
 GRID_BASE := $(if $(filter command line,$(origin CONFIG)),--base $(CONFIG))
 GRID_SUFFIX := $(if $(filter command line,$(origin CONFIG)),-$(NAME))
@@ -182,7 +183,7 @@ $(GRID_RUNS)/%$(GRID_SUFFIX)/.trained: $(GRIDS)/%.toml $(GRID_CONFIG) $(TRAINER_
 $(GRID_RESULTS)/%$(GRID_SUFFIX).h5: $(GRID_RUNS)/%$(GRID_SUFFIX)/.trained $(GRIDS)/%.toml diag/grid.py analysis/grid.py
 	mkdir -p $(dir $@)
 	OMP_NUM_THREADS=$(GRID_JOBS) $(DEPTHDIAG) grid collect $(GRIDS)/$*.toml --runs $(dir $<) --out $@ --force \
-	  --serving $(GRID_SERVING) $(GRID_BASE) $(GRID_OPTIONS)
+	  $(if $(GRID_SERVING),--serving $(GRID_SERVING)) $(GRID_BASE) $(GRID_OPTIONS)
 
 $(GRID_RESULTS)/figure1$(GRID_SUFFIX).png: $(GRID_RESULTS)/figure1$(GRID_SUFFIX).h5 $(ANALYSIS_SOURCES)
 	$(DEPTHDIAG) plot $< --figure 1 --out $@ --force
@@ -204,6 +205,42 @@ figure5: $(GRID_RESULTS)/figure5$(GRID_SUFFIX).png
 figure2: $(GRID_RESULTS)/figure2$(GRID_SUFFIX).png $(GRID_RESULTS)/figure8$(GRID_SUFFIX).png
 figure3-loss: $(GRID_RESULTS)/figure3-loss$(GRID_SUFFIX).png
 table3: $(GRID_RESULTS)/table3$(GRID_SUFFIX).md
+
+# --- A finishing phase sized by the in-training monitor ----------------------------------
+# A pilot fixed-first run with the monitor (PILOT_CONFIG, seed 0) -> `depthdiag recommend`
+# sizes the finishing phase of a run of FINISH_UPDATES updates and writes a grid of the
+# recommended schedule, the paper's 80% switch and uniform:1-16 over FINISH_SEEDS -> the
+# grid is trained and collected -> per-serving-depth NLL differences with intervals over
+# seeds: results/finishing/comparison.md. make finishing-phase [PILOT_CONFIG=...]
+PILOT_CONFIG ?= configs/tiny-monitor.toml
+FINISH_UPDATES ?= 1024
+FINISH_SEEDS ?= 0,1,2
+# More options of `depthdiag recommend` (--threshold, --checks, --margin, --rule).
+RECOMMEND_OPTIONS ?=
+FINISHING ?= results/finishing-$(basename $(notdir $(PILOT_CONFIG)))
+PILOT ?= runs/pilot-$(basename $(notdir $(PILOT_CONFIG)))
+FINISH_RUNS ?= runs/finishing-$(basename $(notdir $(PILOT_CONFIG)))
+
+$(PILOT)/summary.json: $(PILOT_CONFIG) $(TRAINER_SOURCES) $(DIAG_SOURCES) | $(VENV)/.installed
+	if [ -e $@ ]; then rm -rf $(PILOT) $(FINISHING) $(FINISH_RUNS); fi
+	OMP_NUM_THREADS=$(THREADS) $(DEPTHDIAG) train $(PILOT_CONFIG) --out $(PILOT) --set train.seed=0 \
+	  $$(if [ -e $(PILOT)/checkpoints/latest ]; then echo --resume $(PILOT); fi)
+
+$(FINISHING)/grid.toml: $(PILOT)/summary.json $(ANALYSIS_SOURCES)
+	mkdir -p $(dir $@)
+	$(DEPTHDIAG) recommend $(PILOT)/monitor.h5 --updates $(FINISH_UPDATES) --grid $@ --base $(PILOT_CONFIG) \
+	  --seeds $(FINISH_SEEDS) --force $(RECOMMEND_OPTIONS) > $(FINISHING)/recommendation.txt
+	cat $(FINISHING)/recommendation.txt
+
+$(FINISHING)/grid.h5: $(FINISHING)/grid.toml diag/grid.py analysis/grid.py
+	$(DEPTHDIAG) grid run $< --runs $(FINISH_RUNS) --jobs $(GRID_JOBS) --threads $(GRID_THREADS) $(GRID_OPTIONS)
+	OMP_NUM_THREADS=$(GRID_JOBS) $(DEPTHDIAG) grid collect $< --runs $(FINISH_RUNS) --out $@ --force $(GRID_OPTIONS)
+
+$(FINISHING)/comparison.md: $(FINISHING)/grid.h5 $(ANALYSIS_SOURCES)
+	$(DEPTHDIAG) grid compare $< --schedule recommended > $@.tmp && mv $@.tmp $@
+	cat $@
+
+finishing-phase: $(FINISHING)/comparison.md
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

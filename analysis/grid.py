@@ -675,3 +675,93 @@ def closest_switch(points: xr.Dataset, labels: Sequence[str], target: float = 2 
         return []
     best = min(abs(value - target) for value in fractions.values())
     return [label for label, value in fractions.items() if abs(value - target) == best]
+
+
+# --- A schedule against the others, paired by seed ---------------------------------------------
+
+
+def paired_comparison(
+    ds: xr.Dataset,
+    *,
+    schedule: str,
+    serving: Sequence[int] = range(1, 17),
+    level: float = 0.95,
+    schedule_dim: str = "schedule",
+    seed_dim: str = "seed",
+) -> xr.Dataset:
+    """`schedule`'s NLL minus every other schedule's, paired by seed, at each serving depth
+    and averaged over `serving`: the mean over seeds and its Student-t interval (over seeds,
+    n = seeds; positive: `schedule` is worse). Also each schedule's mean NLL and modeled
+    FLOPs relative to `schedule`'s. Dims: `other` (the other schedules) x serving_depth,
+    plus `depth_mean_*` over `other`."""
+    ds = schedules_and_seeds(ds, "the comparison", schedule_dim=schedule_dim, seed_dim=seed_dim)
+    depths = _serving_list(ds, serving)
+    nll = ds["nll"].sel({SERVING_DIM: depths})
+    others = [label for label in select_schedules(ds, None, schedule_dim) if label != schedule]
+    difference = -paired_difference(nll, schedule, schedule_dim=schedule_dim).sel({schedule_dim: others})
+    difference = difference.rename({schedule_dim: "other"})
+    options = IntervalOptions(level=level, method="t")
+    by_depth = interval_over(difference, seed_dim, options=options)
+    averaged = interval_over(difference.mean(SERVING_DIM), seed_dim, options=options)
+    flops = paired_ratio(ds["modeled_flops"], schedule, schedule_dim=schedule_dim).mean(seed_dim)
+    result = xr.Dataset(
+        {
+            "difference": by_depth["mean"],
+            "lower": by_depth["lower"],
+            "upper": by_depth["upper"],
+            "depth_mean": averaged["mean"],
+            "depth_mean_lower": averaged["lower"],
+            "depth_mean_upper": averaged["upper"],
+            "nll": nll.mean(seed_dim),
+            "flops_ratio": flops,
+        }
+    )
+    result.attrs = {
+        "schedule": schedule,
+        "n_seeds": int(ds.sizes.get(seed_dim, 1)),
+        "level": level,
+        "serving": serving_label(depths),
+    }
+    return result
+
+
+def format_comparison(comparison: xr.Dataset) -> str:
+    """`paired_comparison` as Markdown: per serving depth, each schedule's seed-mean NLL and
+    the paired difference with its interval; then the depth average and modeled FLOPs."""
+    schedule, n, level = comparison.attrs["schedule"], comparison.attrs["n_seeds"], comparison.attrs["level"]
+    others = [str(label) for label in comparison["other"].values]
+    labels = [str(label) for label in comparison["schedule"].values]
+
+    def interval(mean, lower, upper) -> str:
+        bounds = "n/a" if not np.isfinite(lower) else f"[{lower:+.4f}, {upper:+.4f}]"
+        return f"{mean:+.4f} {bounds}"
+
+    header = ["depth", *(f"NLL {label}" for label in labels), *(f"{schedule} − {other}" for other in others)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
+    for depth in comparison[SERVING_DIM].values:
+        nll = [f"{comparison['nll'].sel({'schedule': label, SERVING_DIM: depth}).item():.4f}" for label in labels]
+        pick = {SERVING_DIM: depth}
+        diffs = [
+            interval(*(comparison[name].sel(other=other, **pick).item() for name in ("difference", "lower", "upper")))
+            for other in others
+        ]
+        lines.append("| " + " | ".join([str(int(depth)), *nll, *diffs]) + " |")
+    mean_nll = [f"{comparison['nll'].sel(schedule=label).mean(SERVING_DIM).item():.4f}" for label in labels]
+    averaged = [
+        interval(
+            *(
+                comparison[name].sel(other=other).item()
+                for name in ("depth_mean", "depth_mean_lower", "depth_mean_upper")
+            )
+        )
+        for other in others
+    ]
+    lines.append("| " + " | ".join([f"mean {comparison.attrs['serving']}", *mean_nll, *averaged]) + " |")
+    flops = ", ".join(f"{label} {comparison['flops_ratio'].sel(schedule=label).item():.1%}" for label in labels)
+    lines += [
+        "",
+        f"Differences: {schedule}'s NLL minus the other's, paired by seed (positive: {schedule} is worse); "
+        f"mean and {level:.0%} Student-t interval over {n} seeds (training seeds: initialisation, batch order "
+        f"and depth draws). Modeled training FLOPs relative to {schedule}: {flops}.",
+    ]
+    return "\n".join(lines)

@@ -726,6 +726,23 @@ def sensitivity(results: tuple[Path, ...], after_updates: int, as_json: bool, op
 @click.option("--level", type=float, default=0.95, show_default=True, help="Confidence level of the intervals.")
 @click.option("--include-embeddings", is_flag=True, help="Count the LM head matmul in the modeled FLOPs too.")
 @click.option("--json", "as_json", is_flag=True, help="Print the recommendation as JSON (NaN as null).")
+@click.option(
+    "--grid",
+    "grid_out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write an experiment grid that trains the recommended schedule against the 80%% switch and "
+    "uniform:1-16 over --updates for every --seeds (run it with `depthdiag grid run`); needs --base.",
+)
+@click.option(
+    "--base",
+    "base_config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="The run config the --grid's runs start from (the pilot's config; its monitor is switched off).",
+)
+@click.option("--seeds", default="0,1,2", show_default=True, help="Training seeds of the --grid.")
+@click.option("--force", is_flag=True, help="Overwrite an existing --grid file.")
 @reports_errors
 def recommend(
     monitor: Path,
@@ -737,6 +754,10 @@ def recommend(
     level: float,
     include_embeddings: bool,
     as_json: bool,
+    grid_out: Path | None,
+    base_config: Path | None,
+    seeds: str,
+    force: bool,
 ) -> None:
     """Size a fixed-first schedule for a run of --updates N from a pilot run's MONITOR file
     (RUN/monitor.h5 of a fixed-first run with a [monitor] block).
@@ -749,7 +770,9 @@ def recommend(
     finish, and its modeled training compute against uniform:1-16 and the paper's 80% switch.
     """
     from analysis.stats import IntervalOptions
-    from diag.recommend import RecommendConfig, format_recommendation
+    from common.atomic import atomic_write_text
+    from common.lock import claimed_outputs, refuse_existing
+    from diag.recommend import RecommendConfig, comparison_grid, format_recommendation
     from diag.recommend import recommend as run_recommend
 
     config = RecommendConfig(
@@ -762,7 +785,20 @@ def recommend(
         options=IntervalOptions(level=level),
         include_embeddings=include_embeddings,
     )
+    if (grid_out is None) != (base_config is None):
+        raise InputError("--grid and --base go together: the grid's runs start from the --base config")
+    try:
+        grid_seeds = tuple(int(seed) for seed in seeds.split(","))
+    except ValueError:
+        raise InputError(f"--seeds {seeds!r}: expected integers separated by commas, e.g. 0,1,2") from None
+    if grid_out is not None:
+        refuse_existing([grid_out], force=force)
     recommendation = run_recommend(config)
+    if grid_out is not None:
+        with claimed_outputs([grid_out], force=force):
+            text = comparison_grid(recommendation, base=base_config, out=grid_out, seeds=grid_seeds)
+            atomic_write_text(text, grid_out)
+        click.echo(f"wrote {grid_out}", err=True)
     if as_json:
         click.echo(json.dumps(_json_ready(recommendation.to_dict()), indent=2))
     else:
@@ -777,7 +813,8 @@ def grid() -> None:
     """Experiment grids: a TOML file names a base config and the axes to vary (schedule,
     seed, budget, any config key); `grid run` trains every unfinished cell, `grid collect`
     evaluates them all into one file with a dimension per axis, `grid table` prints the
-    paper's Table 3 from it and `plot --figure 1|2|3-loss|5|8` draws it. The grid file's
+    paper's Table 3 from it, `grid compare` one schedule against the others by serving
+    depth, and `plot --figure 1|2|3-loss|5|8` draws it. The grid file's
     format: diag/grid.py, and the examples under grids/."""
 
 
@@ -857,9 +894,9 @@ def grid_run(
 )
 @click.option(
     "--serving",
-    default="1-64",
-    show_default=True,
-    help="Serving depths every cell is evaluated at (a range, a list or both).",
+    default=None,
+    help="Serving depths every cell is evaluated at (a range, a list or both; default: the grid file's "
+    "`serving`, or 1-64).",
 )
 @click.option("--force", is_flag=True, help="Overwrite an existing --out file.")
 @max_depth_option
@@ -872,7 +909,7 @@ def grid_collect(
     base_config: Path | None,
     axis_values: tuple[str, ...],
     out: Path,
-    serving: str,
+    serving: str | None,
     force: bool,
     max_depth: int,
     device: str,
@@ -889,7 +926,7 @@ def grid_collect(
 
     refuse_existing([out], force=force)
     spec = load_grid(grid_file, axis_values, base=base_config)
-    depths = parse_serving_depths(serving, limit=max_depth)
+    depths = parse_serving_depths(serving if serving is not None else spec.serving, limit=max_depth)
     ds = collect_grid(spec, _grid_runs(grid_file, runs), serving=depths, device=device, progress=not no_progress)
     click.echo(f"wrote {write_results(ds, out, force=force)}")
 
@@ -915,6 +952,30 @@ def grid_table(collected: Path, reference: str, as_json: bool) -> None:
         click.echo(json.dumps(_json_ready(rows), indent=2))
     else:
         click.echo(format_table3(rows))
+
+
+@grid.command("compare")
+@click.argument("collected", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--schedule", required=True, help="The schedule label compared with every other schedule of the grid.")
+@click.option("--serving", default="1-16", show_default=True, help="Serving depths of the comparison.")
+@click.option("--level", type=float, default=0.95, show_default=True, help="Confidence level of the intervals.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (NaN as null) instead of Markdown.")
+@reports_errors
+def grid_compare(collected: Path, schedule: str, serving: str, level: float, as_json: bool) -> None:
+    """Per serving depth, the NLL of --schedule minus every other schedule's in a COLLECTED
+    grid file, paired by seed, with a Student-t interval over seeds, and the depth average;
+    plus each schedule's modeled FLOPs relative to --schedule."""
+    from analysis.grid import format_comparison, open_grid, paired_comparison
+    from common.depths import parse_serving_depths
+
+    comparison = paired_comparison(
+        open_grid(collected), schedule=schedule, serving=parse_serving_depths(serving), level=level
+    )
+    if as_json:
+        document = {name: comparison[name].to_dict(data="list") for name in comparison.data_vars}
+        click.echo(json.dumps(_json_ready({"attrs": comparison.attrs, "variables": document}), indent=2))
+    else:
+        click.echo(format_comparison(comparison))
 
 
 if __name__ == "__main__":

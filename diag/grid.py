@@ -6,6 +6,7 @@ at many serving depths and writes one xarray/HDF5 file with a dimension per axis
 A grid file:
 
     base = "../configs/grid-tiny.toml"      # relative to the grid file
+    serving = "1-64"                         # the depths `grid collect` evaluates (default 1-64)
     [set]                                    # overrides of the base for every cell
     "train.log_every" = 10
     [budget]                                 # optional: how the `budget` axis sizes runs
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.depths import parse_serving_depths
 from common.errors import InputError, RunFailed
 from common.lock import exclusive_output
 from common.progress import progress_bar
@@ -117,6 +119,8 @@ class GridSpec:
     """The grid's axes in the file's order."""
     budget: Budget | None
     """The [budget] table, when the grid has one."""
+    serving: str = "1-64"
+    """Serving depths `grid collect` evaluates every cell at (the file's `serving`; default 1-64)."""
 
 
 @dataclass(frozen=True)
@@ -229,9 +233,13 @@ def load_grid(path: str | Path, axis_values: Sequence[str] = (), *, base: str | 
         raise InputError(f"{path}: cannot read the grid file ({err})") from None
     except tomllib.TOMLDecodeError as err:
         raise InputError(f"{path}: invalid TOML ({err})") from None
-    unknown = set(raw) - {"base", "set", "budget", "axes"}
+    unknown = set(raw) - {"base", "serving", "set", "budget", "axes"}
     if unknown:
-        raise InputError(f"{path}: unknown key(s) {', '.join(sorted(unknown))} (base, set, budget, axes)")
+        raise InputError(f"{path}: unknown key(s) {', '.join(sorted(unknown))} (base, serving, set, budget, axes)")
+    serving = raw.get("serving", "1-64")
+    if not isinstance(serving, str):
+        raise InputError(f'{path}: serving must be a depth list such as "1-64" or "1-16,32,64"')
+    parse_serving_depths(serving, f"{path}: serving")
     if not isinstance(raw.get("base"), str):
         raise InputError(f"{path}: `base` (the base run config, relative to the grid file) is missing")
     axes_table = dict(raw.get("axes", {}))
@@ -263,6 +271,7 @@ def load_grid(path: str | Path, axis_values: Sequence[str] = (), *, base: str | 
         overrides=overrides,
         axes=axes,
         budget=budget,
+        serving=serving,
     )
 
 
@@ -546,11 +555,12 @@ def collect_grid(
     spec: GridSpec,
     runs: str | Path,
     *,
-    serving: Sequence[int] = tuple(range(1, 65)),
+    serving: Sequence[int] | None = None,
     device: str = "cpu",
     progress: bool = True,
 ):
-    """Evaluate every cell of `spec` (all must have finished) at `serving` depths and
+    """Evaluate every cell of `spec` (all must have finished) at `serving` depths (default:
+    the grid file's) and
     return the collected Dataset (analysis/grid.py): one entry per cell, a dimension per axis."""
     import datetime
 
@@ -566,7 +576,7 @@ def collect_grid(
             f"{runs}: {len(unfinished)} of {len(cells)} cells have not finished ({', '.join(unfinished[:3])}"
             f"{', ...' if len(unfinished) > 3 else ''}); run `depthdiag grid run {spec.path}` first"
         )
-    serving = tuple(int(s) for s in serving)
+    serving = parse_serving_depths(spec.serving) if serving is None else tuple(int(s) for s in serving)
     entries = {}
     with progress_bar(len(cells), "collect", "cell", enabled=progress) as bar:
         for cell in cells:
@@ -593,9 +603,9 @@ def collect_grid(
 def format_cells(spec: GridSpec, runs: str | Path) -> str:
     """One line per cell: its name, schedule, updates, modeled FLOPs and state."""
     runs = Path(runs)
-    lines = [f"{'cell':<40} {'schedule':<48} {'updates':>8} {'modeled FLOPs':>14}  state"]
+    lines = [f"{'cell':<40} {'schedule':<56} {'updates':>8} {'modeled FLOPs':>14}  state"]
     for cell in grid_cells(spec):
         tc = cell.config.train
         state = cell_state(cell, runs)
-        lines.append(f"{cell.name:<40} {tc.schedule:<48} {tc.updates:>8,} {cell.modeled_flops:>14.4e}  {state}")
+        lines.append(f"{cell.name:<40} {tc.schedule:<56} {tc.updates:>8,} {cell.modeled_flops:>14.4e}  {state}")
     return "\n".join(lines)

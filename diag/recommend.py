@@ -12,6 +12,8 @@ switch with the pilot's K0 and finish.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from pathlib import Path
 
 from analysis.monitor import open_monitor
@@ -173,3 +175,35 @@ def format_recommendation(rec: Recommendation) -> str:
         f"{'' if rec.saving_vs_paper >= 0 else ' more'})",
     ]
     return "\n".join(lines)
+
+
+def comparison_grid(rec: Recommendation, *, base: Path, out: Path, seeds: tuple[int, ...]) -> str:
+    """An experiment grid (diag/grid.py) that trains the recommended schedule against the
+    paper's 80% switch and uniform:1-16 over the same updates for every seed, on `base` with
+    the monitor off and no snapshots; evaluated at serving depths 1..16. `base` is written
+    relative to the folder of `out`, where the grid file goes."""
+    relative = Path(os.path.relpath(Path(base).resolve(), Path(out).resolve().parent))
+    return "\n".join(
+        [
+            f"# Written by depthdiag recommend from {rec.monitor}:",
+            f"# F = {rec.finish.finish_updates} uniform updates, F' = {rec.plan.planned_finish_updates} with the "
+            f"margin {rec.plan.margin:g}. The recommended schedule",
+            "# against the paper's 80% switch and uniform:1-16 over the same updates, for every seed.",
+            f"base = {json.dumps(str(relative))}",
+            'serving = "1-16"',
+            "",
+            "[set]",
+            f'"train.updates" = {rec.plan.updates}',
+            '"train.snapshot_uniform_updates" = []',
+            '"monitor.every" = 0',
+            "",
+            "[axes.schedule]",
+            f"recommended = {json.dumps(rec.spec)}",
+            f"ff80 = {json.dumps(rec.paper.spec)}",
+            f"uniform = {json.dumps(UNIFORM_REFERENCE)}",
+            "",
+            "[axes]",
+            f"seed = [{', '.join(str(s) for s in seeds)}]",
+            "",
+        ]
+    )

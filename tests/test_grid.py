@@ -146,6 +146,7 @@ def test_axis_values_can_be_replaced_from_the_command_line(folder):
         ('[axes]\nschedule = { "a/b" = "fixed:2" }\n', "names a directory"),
         ("[axes]\nseed = [0]\n[extra]\n", "unknown key"),
         ('[axes]\n"train.seed" = [-1]\n', "train.seed must be >= 0"),
+        ('serving = "0-4"\n[axes]\nseed = [0]\n', "serving '0-4': need 1 <= depth"),
     ],
 )
 def test_a_bad_grid_file_is_one_clear_error(folder, text, message):

@@ -356,3 +356,27 @@ def test_grid_figures_render(tmp_path):
     for name, make in (("figure2", figure2), ("figure3", figure3_loss), ("figure5", figure5), ("figure8", figure8)):
         save_figure(make(single), tmp_path / f"{name}.png", dpi=40)
         assert (tmp_path / f"{name}.png").stat().st_size > 0
+
+
+def test_paired_comparison_by_hand():
+    from analysis.grid import format_comparison, paired_comparison
+
+    ds = grid(schedules=("ff80", "uniform", "ff67"), seeds=(0, 1, 2))
+    # Make the seeds differ in the paired difference: ff80 - uniform = -0.2 + (0.00, 0.03, 0.09).
+    ds["nll"].loc[{"schedule": "ff80"}] = ds["nll"].sel(schedule="ff80") + xr.DataArray(
+        [0.0, 0.03, 0.09], dims="seed", coords={"seed": [0, 1, 2]}
+    )
+    comparison = paired_comparison(ds, schedule="ff80", serving=range(1, 17))
+    differences = np.array([-0.2, -0.17, -0.11])  # ff80 (offset 2) - uniform (offset 4), by seed
+    half = scipy.stats.t.ppf(0.975, 2) * differences.std(ddof=1) / math.sqrt(3)
+    at_depth = comparison.sel(other="uniform", serving_depth=5)
+    assert at_depth["difference"].item() == pytest.approx(differences.mean())
+    assert at_depth["lower"].item() == pytest.approx(differences.mean() - half)
+    assert at_depth["upper"].item() == pytest.approx(differences.mean() + half)
+    assert comparison["depth_mean"].sel(other="uniform").item() == pytest.approx(differences.mean())
+    # ff67 (offset 1) vs ff80: ff80 - ff67 = 0.1 + the seed shifts.
+    assert comparison["depth_mean"].sel(other="ff67").item() == pytest.approx(0.1 + 0.04)
+    assert comparison["flops_ratio"].sel(schedule="uniform").item() == pytest.approx(8.0 / 5.0)
+    text = format_comparison(comparison)
+    assert "ff80 − uniform" in text and "over 3 seeds" in text and "uniform 160.0%" in text
+    assert f"[{differences.mean() - half:+.4f}, {differences.mean() + half:+.4f}]" in text

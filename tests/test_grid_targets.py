@@ -132,3 +132,46 @@ def test_every_grid_target_end_to_end(tmp_path):
     before = (results / "schedules.h5").stat().st_mtime_ns
     make("table3", tmp_path)
     assert (results / "schedules.h5").stat().st_mtime_ns == before
+
+
+# A pilot whose deep update clearly helps at the switch (+0.03 nats, interval above 0): K0=2
+# for 30 of 40 updates at a high LR specialises the toy model to depth 2.
+PILOT = (
+    TOY.replace('schedule = "uniform:1-4"', 'schedule = "fixed-first:k0=2,switch=0.75,finish=uniform:1-4"')
+    .replace("updates = 12", "updates = 40")
+    .replace("lr = 3e-3", "lr = 1e-2")
+    + "[monitor]\nevery = 5\nbatches = 2\nupdate_depths = [1, 4]\nserving_depths = [1, 2, 3, 4]\n"
+    "eval_sequences = 4\n"
+)
+
+
+def test_finishing_phase_end_to_end(tmp_path):
+    """Pilot with the monitor -> recommend (its grid file) -> the grid trained and collected
+    -> the paired comparison, through `make finishing-phase`."""
+    pilot = tmp_path / "pilot.toml"
+    pilot.write_text(PILOT, encoding="utf-8")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable)
+    variables = [
+        f"PILOT_CONFIG={pilot}",
+        "FINISH_UPDATES=12",
+        "FINISH_SEEDS=0,1",
+        # A loose rule: the toy pilot's checks are noisy, and the test is of the pipeline.
+        "RECOMMEND_OPTIONS=--threshold 0.99 --checks 1 --rule either",
+        "GRID_OPTIONS=--no-progress",
+        f"FINISHING={tmp_path / 'finishing'}",
+        f"PILOT={tmp_path / 'pilot'}",
+        f"FINISH_RUNS={tmp_path / 'runs'}",
+    ]
+    result = subprocess.run(
+        ["make", "-C", str(ROOT), "finishing-phase", *variables], capture_output=True, text=True, env=env
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    finishing = tmp_path / "finishing"
+    grid = (finishing / "grid.toml").read_text()
+    assert "recommended = " in grid and 'ff80 = "fixed-first:k0=2,switch=0.8' in grid
+    comparison = (finishing / "comparison.md").read_text()
+    assert "recommended − ff80" in comparison and "recommended − uniform" in comparison
+    assert "over 2 seeds" in comparison
+    ds = open_grid(finishing / "grid.h5")
+    assert dict(ds["nll"].sizes) == {"schedule": 3, "seed": 2, "serving_depth": 16}
+    assert (ds["updates"] == 12).all()
