@@ -182,7 +182,7 @@ $(GRID_RUNS)/%$(GRID_SUFFIX)/.trained: $(GRIDS)/%.toml $(GRID_CONFIG) $(TRAINER_
 
 $(GRID_RESULTS)/%$(GRID_SUFFIX).h5: $(GRID_RUNS)/%$(GRID_SUFFIX)/.trained $(GRIDS)/%.toml diag/grid.py analysis/grid.py
 	mkdir -p $(dir $@)
-	OMP_NUM_THREADS=$(GRID_JOBS) $(DEPTHDIAG) grid collect $(GRIDS)/$*.toml --runs $(dir $<) --out $@ --force \
+	$(DEPTHDIAG) grid collect $(GRIDS)/$*.toml --runs $(dir $<) --out $@ --force --jobs $(GRID_JOBS) \
 	  $(if $(GRID_SERVING),--serving $(GRID_SERVING)) $(GRID_BASE) $(GRID_OPTIONS)
 
 $(GRID_RESULTS)/figure1$(GRID_SUFFIX).png: $(GRID_RESULTS)/figure1$(GRID_SUFFIX).h5 $(ANALYSIS_SOURCES)
@@ -215,15 +215,17 @@ table3: $(GRID_RESULTS)/table3$(GRID_SUFFIX).md
 PILOT_CONFIG ?= configs/tiny-monitor.toml
 FINISH_UPDATES ?= 1024
 FINISH_SEEDS ?= 0,1,2
-# More options of `depthdiag recommend` (--threshold, --checks, --margin, --rule).
+# More options of `depthdiag recommend` (--threshold, --checks, --margin, --rule), and of
+# the pilot's `depthdiag train` (e.g. --set monitor.every=64).
 RECOMMEND_OPTIONS ?=
+PILOT_OPTIONS ?=
 FINISHING ?= results/finishing-$(basename $(notdir $(PILOT_CONFIG)))
 PILOT ?= runs/pilot-$(basename $(notdir $(PILOT_CONFIG)))
 FINISH_RUNS ?= runs/finishing-$(basename $(notdir $(PILOT_CONFIG)))
 
 $(PILOT)/summary.json: $(PILOT_CONFIG) $(TRAINER_SOURCES) $(DIAG_SOURCES) | $(VENV)/.installed
 	if [ -e $@ ]; then rm -rf $(PILOT) $(FINISHING) $(FINISH_RUNS); fi
-	OMP_NUM_THREADS=$(THREADS) $(DEPTHDIAG) train $(PILOT_CONFIG) --out $(PILOT) --set train.seed=0 \
+	OMP_NUM_THREADS=$(THREADS) $(DEPTHDIAG) train $(PILOT_CONFIG) --out $(PILOT) --set train.seed=0 $(PILOT_OPTIONS) \
 	  $$(if [ -e $(PILOT)/checkpoints/latest ]; then echo --resume $(PILOT); fi)
 
 $(FINISHING)/grid.toml: $(PILOT)/summary.json $(ANALYSIS_SOURCES)
@@ -234,7 +236,7 @@ $(FINISHING)/grid.toml: $(PILOT)/summary.json $(ANALYSIS_SOURCES)
 
 $(FINISHING)/grid.h5: $(FINISHING)/grid.toml diag/grid.py analysis/grid.py
 	$(DEPTHDIAG) grid run $< --runs $(FINISH_RUNS) --jobs $(GRID_JOBS) --threads $(GRID_THREADS) $(GRID_OPTIONS)
-	OMP_NUM_THREADS=$(GRID_JOBS) $(DEPTHDIAG) grid collect $< --runs $(FINISH_RUNS) --out $@ --force $(GRID_OPTIONS)
+	$(DEPTHDIAG) grid collect $< --runs $(FINISH_RUNS) --out $@ --force --jobs $(GRID_JOBS) $(GRID_OPTIONS)
 
 $(FINISHING)/comparison.md: $(FINISHING)/grid.h5 $(ANALYSIS_SOURCES)
 	$(DEPTHDIAG) grid compare $< --schedule recommended > $@.tmp && mv $@.tmp $@

@@ -899,6 +899,7 @@ def grid_run(
     "`serving`, or 1-64).",
 )
 @click.option("--force", is_flag=True, help="Overwrite an existing --out file.")
+@click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True, help="Cells evaluated side by side.")
 @max_depth_option
 @device_option
 @no_progress_option
@@ -911,6 +912,7 @@ def grid_collect(
     out: Path,
     serving: str | None,
     force: bool,
+    jobs: int,
     max_depth: int,
     device: str,
     no_progress: bool,
@@ -927,7 +929,9 @@ def grid_collect(
     refuse_existing([out], force=force)
     spec = load_grid(grid_file, axis_values, base=base_config)
     depths = parse_serving_depths(serving if serving is not None else spec.serving, limit=max_depth)
-    ds = collect_grid(spec, _grid_runs(grid_file, runs), serving=depths, device=device, progress=not no_progress)
+    ds = collect_grid(
+        spec, _grid_runs(grid_file, runs), serving=depths, device=device, jobs=jobs, progress=not no_progress
+    )
     click.echo(f"wrote {write_results(ds, out, force=force)}")
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import re
 import subprocess
@@ -46,6 +47,7 @@ import sys
 import time
 import tomllib
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -220,6 +222,14 @@ def _parse_axis(source: Path, name: str, values: Any) -> Axis:
     return Axis(name=name, values=tuple(parsed))
 
 
+def _literal(text: str) -> Any:
+    """A value given on the command line: a TOML literal (0, 0.5, "a"), else the text itself."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
 def load_grid(path: str | Path, axis_values: Sequence[str] = (), *, base: str | Path | None = None) -> GridSpec:
     """Read and check a grid file. `axis_values` ("seed=0,1,2,3") replace a list axis's
     values, as `--axis` does on the command line, and `base` replaces its base config (`--base`)."""
@@ -242,12 +252,15 @@ def load_grid(path: str | Path, axis_values: Sequence[str] = (), *, base: str | 
     parse_serving_depths(serving, f"{path}: serving")
     if not isinstance(raw.get("base"), str):
         raise InputError(f"{path}: `base` (the base run config, relative to the grid file) is missing")
+    for table in ("set", "budget", "axes"):
+        if not isinstance(raw.get(table, {}), dict):
+            raise InputError(f"{path}: `{table}` must be a table ([{table}])")
     axes_table = dict(raw.get("axes", {}))
     for assignment in axis_values:
         name, sep, values = assignment.partition("=")
         if not sep or name.strip() not in axes_table or not isinstance(axes_table[name.strip()], list):
             raise InputError(f"--axis {assignment!r}: expected NAME=V1,V2,... for a list axis of {path}")
-        axes_table[name.strip()] = [tomllib.loads(f"v = {v.strip()}")["v"] for v in values.split(",")]
+        axes_table[name.strip()] = [_literal(v.strip()) for v in values.split(",")]
     if not axes_table:
         raise InputError(f"{path}: [axes] names no axis to vary")
     axes = tuple(_parse_axis(path, name, values) for name, values in axes_table.items())
@@ -551,16 +564,23 @@ def collect_cell(cell: Cell, runs: Path, serving: tuple[int, ...], *, device: st
     }
 
 
+def _one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def collect_grid(
     spec: GridSpec,
     runs: str | Path,
     *,
     serving: Sequence[int] | None = None,
     device: str = "cpu",
+    jobs: int = 1,
     progress: bool = True,
 ):
     """Evaluate every cell of `spec` (all must have finished) at `serving` depths (default:
-    the grid file's) and
+    the grid file's), `jobs` cells at a time in processes of one torch thread each, and
     return the collected Dataset (analysis/grid.py): one entry per cell, a dimension per axis."""
     import datetime
 
@@ -579,9 +599,18 @@ def collect_grid(
     serving = parse_serving_depths(spec.serving) if serving is None else tuple(int(s) for s in serving)
     entries = {}
     with progress_bar(len(cells), "collect", "cell", enabled=progress) as bar:
-        for cell in cells:
-            entries[cell.key] = collect_cell(cell, runs, serving, device=device)
-            bar.update(1)
+        if jobs == 1:
+            for cell in cells:
+                entries[cell.key] = collect_cell(cell, runs, serving, device=device)
+                bar.update(1)
+        else:
+            # Small models use one core each better than two threads share one model.
+            context = multiprocessing.get_context("spawn")
+            with ProcessPoolExecutor(jobs, mp_context=context, initializer=_one_thread) as pool:
+                futures = {pool.submit(collect_cell, cell, runs, serving, device=device): cell for cell in cells}
+                for future in as_completed(futures):
+                    entries[futures[future].key] = future.result()
+                    bar.update(1)
     attrs = {
         "grid": spec.text,
         "grid_file": str(spec.path),

@@ -131,6 +131,10 @@ def test_any_config_key_is_an_axis_and_set_applies_to_every_cell(folder):
 def test_axis_values_can_be_replaced_from_the_command_line(folder):
     spec = load_grid(write_grid(folder, "[axes]\nseed = [0, 1]\n"), ["seed=0,1,2,3"])
     assert [cell.config.train.seed for cell in grid_cells(spec)] == [0, 1, 2, 3]
+    spec = load_grid(write_grid(folder, '[axes]\nschedule = ["fixed:2"]\n'), ["schedule=fixed:3,uniform:1-4"])
+    assert [cell.config.train.schedule for cell in grid_cells(spec)] == ["fixed:3", "uniform:1-4"]
+    with pytest.raises(InputError, match="expected NAME=V1,V2"):
+        load_grid(write_grid(folder, "[axes]\nseed = [0, 1]\n"), ["budget=0.5"])
 
 
 @pytest.mark.parametrize(
@@ -147,6 +151,7 @@ def test_axis_values_can_be_replaced_from_the_command_line(folder):
         ("[axes]\nseed = [0]\n[extra]\n", "unknown key"),
         ('[axes]\n"train.seed" = [-1]\n', "train.seed must be >= 0"),
         ('serving = "0-4"\n[axes]\nseed = [0]\n', "serving '0-4': need 1 <= depth"),
+        ("set = 3\n[axes]\nseed = [0]\n", "`set` must be a table"),
     ],
 )
 def test_a_bad_grid_file_is_one_clear_error(folder, text, message):
@@ -237,7 +242,7 @@ def test_collect_has_exactly_one_entry_per_cell(folder):
     with pytest.raises(InputError, match="8 of 8 cells have not finished"):
         collect_grid(spec, runs, serving=(1, 2, 3), progress=False)
     run_grid(spec, runs, jobs=2, progress=False)
-    ds = collect_grid(spec, runs, serving=(1, 2, 3), progress=False)
+    ds = collect_grid(spec, runs, serving=(1, 2, 3), jobs=2, progress=False)  # evaluated in 2 worker processes
     assert dict(ds["nll"].sizes) == {"schedule": 2, "seed": 2, "budget": 2, "serving_depth": 3}
     assert list(ds["schedule"].values) == ["fixed:2", "uniform:1-4"]
     assert np.isfinite(ds["nll"].values).all()
@@ -251,7 +256,7 @@ def test_collect_has_exactly_one_entry_per_cell(folder):
         losses = ds["loss"].sel(where).dropna("log_step")
         assert losses["log_step"].values.tolist() == [m["step"] for m in metrics]
         np.testing.assert_allclose(losses.values, [m["loss"] for m in metrics])
-    # A second collect reuses every cell's cached evaluation and gives the same file.
+    # A second collect (in this process) reuses every cell's cached evaluation: the same numbers.
     again = collect_grid(spec, runs, serving=(1, 2, 3), progress=False)
     np.testing.assert_array_equal(again["nll"].values, ds["nll"].values)
 
