@@ -832,6 +832,13 @@ base_option = click.option(
     default=None,
     help="Use this run config as the grid's base instead of the one the grid file names (e.g. paper scale).",
 )
+grid_set_option = click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a config value of every cell after the grid's [set], e.g. --set train.updates=4800 (repeatable).",
+)
 axis_option = click.option(
     "--axis",
     "axis_values",
@@ -849,6 +856,7 @@ def _grid_runs(grid_file: Path, runs: Path | None) -> Path:
 @grid_file_argument
 @runs_option
 @base_option
+@grid_set_option
 @axis_option
 @click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True, help="Cells trained side by side.")
 @click.option(
@@ -861,6 +869,7 @@ def grid_run(
     grid_file: Path,
     runs: Path | None,
     base_config: Path | None,
+    overrides: tuple[str, ...],
     axis_values: tuple[str, ...],
     jobs: int,
     threads: int,
@@ -872,7 +881,7 @@ def grid_run(
     `depthdiag train` process (output in RUNS/logs/). Exit 3 names the cells that failed."""
     from diag.grid import format_cells, load_grid, run_grid
 
-    spec = load_grid(grid_file, axis_values, base=base_config)
+    spec = load_grid(grid_file, axis_values, base=base_config, overrides=overrides)
     runs = _grid_runs(grid_file, runs)
     if dry_run:
         click.echo(format_cells(spec, runs))
@@ -885,6 +894,7 @@ def grid_run(
 @grid_file_argument
 @runs_option
 @base_option
+@grid_set_option
 @axis_option
 @click.option(
     "--out",
@@ -908,6 +918,7 @@ def grid_collect(
     grid_file: Path,
     runs: Path | None,
     base_config: Path | None,
+    overrides: tuple[str, ...],
     axis_values: tuple[str, ...],
     out: Path,
     serving: str | None,
@@ -927,7 +938,7 @@ def grid_collect(
     from diag.grid import collect_grid, load_grid
 
     refuse_existing([out], force=force)
-    spec = load_grid(grid_file, axis_values, base=base_config)
+    spec = load_grid(grid_file, axis_values, base=base_config, overrides=overrides)
     depths = parse_serving_depths(serving if serving is not None else spec.serving, limit=max_depth)
     ds = collect_grid(
         spec, _grid_runs(grid_file, runs), serving=depths, device=device, jobs=jobs, progress=not no_progress

@@ -230,9 +230,16 @@ def _literal(text: str) -> Any:
         return text
 
 
-def load_grid(path: str | Path, axis_values: Sequence[str] = (), *, base: str | Path | None = None) -> GridSpec:
+def load_grid(
+    path: str | Path,
+    axis_values: Sequence[str] = (),
+    *,
+    base: str | Path | None = None,
+    overrides: Sequence[str] = (),
+) -> GridSpec:
     """Read and check a grid file. `axis_values` ("seed=0,1,2,3") replace a list axis's
-    values, as `--axis` does on the command line, and `base` replaces its base config (`--base`)."""
+    values, as `--axis` does on the command line, `base` replaces its base config (`--base`)
+    and `overrides` ("train.updates=4800", `--set`) follow its [set]."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -276,12 +283,17 @@ def load_grid(path: str | Path, axis_values: Sequence[str] = (), *, base: str | 
     )
     if uses_budget and budget is None:
         raise InputError(f"{path}: a budget axis or {FLOPS_OF} needs a [budget] table (match = 'updates' or 'flops')")
-    overrides = tuple((_check_key(path, key, "[set]"), v) for key, v in raw.get("set", {}).items())
+    settings = [(_check_key(path, key, "[set]"), v) for key, v in raw.get("set", {}).items()]
+    for assignment in overrides:
+        key, sep, value = assignment.partition("=")
+        if not sep:
+            raise InputError(f"--set {assignment!r}: expected KEY=VALUE")
+        settings.append((_check_key(path, key.strip(), "--set"), _literal(value.strip())))
     return GridSpec(
         path=path,
         text=text,
         base=Path(base) if base is not None else path.parent / raw["base"],
-        overrides=overrides,
+        overrides=tuple(settings),
         axes=axes,
         budget=budget,
         serving=serving,

@@ -128,6 +128,12 @@ def test_any_config_key_is_an_axis_and_set_applies_to_every_cell(folder):
     assert cells[0].name == "optim.lr=0.001"
 
 
+def test_set_on_the_command_line_follows_the_grid_files_set(folder):
+    grid = write_grid(folder, '[set]\n"train.updates" = 20\n"optim.warmup" = 5\n[axes]\nseed = [0]\n')
+    (cell,) = grid_cells(load_grid(grid, overrides=["train.updates=8"]))
+    assert (cell.config.train.updates, cell.config.optim.warmup) == (8, 5)
+
+
 def test_axis_values_can_be_replaced_from_the_command_line(folder):
     spec = load_grid(write_grid(folder, "[axes]\nseed = [0, 1]\n"), ["seed=0,1,2,3"])
     assert [cell.config.train.seed for cell in grid_cells(spec)] == [0, 1, 2, 3]
