@@ -731,7 +731,7 @@ def sensitivity(results: tuple[Path, ...], after_updates: int, as_json: bool, op
     "grid_out",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="Also write an experiment grid that trains the recommended schedule against the 80%% switch and "
+    help="Also write an experiment grid that trains the recommended schedule against the 80% switch and "
     "uniform:1-16 over --updates for every --seeds (run it with `depthdiag grid run`); needs --base.",
 )
 @click.option(
