@@ -36,17 +36,20 @@ before anything starts. Output of each cell goes to RUNS/logs/.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
 import multiprocessing
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -436,6 +439,7 @@ def run_grid(
     trained, failed = [], []
     with (
         exclusive_output(runs),
+        _terminate_raises_interrupt(),
         progress_bar(len(cells), "grid", "cell", initial=len(skipped), enabled=progress) as bar,
     ):
         (runs / "logs").mkdir(parents=True, exist_ok=True)
@@ -473,6 +477,24 @@ def run_grid(
         )
         raise RunFailed(f"{spec.path}: {len(failed)} of {len(cells)} cells failed: {listed}; rerun to resume them")
     return GridRunReport(trained=tuple(name for name, _ in trained), skipped=skipped)
+
+
+@contextlib.contextmanager
+def _terminate_raises_interrupt() -> Iterator[None]:
+    """SIGTERM (a scheduler's stop, `kill`) ends the grid as Ctrl-C does: the cells in flight
+    are terminated and resume on the next `grid run`, instead of running on orphaned."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _cell_named(cells: list[Cell], name: str) -> Cell:
