@@ -30,14 +30,13 @@ import itertools
 import math
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import xarray as xr
 
 from analysis.stats import IntervalOptions, interval_over
-from analysis.store import ENGINE
+from analysis.store import open_checked
 from common.errors import InputError
 
 KIND = "grid"
@@ -278,18 +277,7 @@ def validate_grid(ds: xr.Dataset, source) -> None:
 def open_grid(path: str | os.PathLike) -> xr.Dataset:
     """A collected grid file, loaded into memory (file closed) and validated; InputError naming
     the file for anything else (a results or monitor file included)."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{path}: no such file")
-    try:
-        with xr.open_dataset(path, engine=ENGINE) as ds:
-            ds = ds.load()
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise InputError(f"{path}: not a readable grid file ({reason})") from None
-    validate_grid(ds, path)
-    ds.attrs = {key: value.item() if isinstance(value, np.generic) else value for key, value in ds.attrs.items()}
-    return ds
+    return open_checked(path, "grid file", validate_grid)
 
 
 # --- statistics over seeds ---------------------------------------------------------------------

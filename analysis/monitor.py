@@ -24,12 +24,11 @@ grad_clip, precision, `batch_stream` (how the batches are drawn) and versions.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import numpy as np
 import xarray as xr
 
-from analysis.store import ENGINE
+from analysis.store import ENGINE, open_checked
 from common.errors import InputError
 
 KIND = "monitor"
@@ -115,18 +114,7 @@ def validate_monitor(ds: xr.Dataset, source) -> None:
 
 def open_monitor(path: str | os.PathLike) -> xr.Dataset:
     """A monitor file, loaded into memory (file closed) and validated."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{path}: no such file")
-    try:
-        with xr.open_dataset(path, engine=ENGINE) as ds:
-            ds = ds.load()
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise InputError(f"{path}: not a readable monitor file ({reason})") from None
-    validate_monitor(ds, path)
-    ds.attrs = {key: value.item() if isinstance(value, np.generic) else value for key, value in ds.attrs.items()}
-    return ds
+    return open_checked(path, "monitor file", validate_monitor)
 
 
 def switch_step(ds: xr.Dataset) -> int | None:

@@ -148,7 +148,10 @@ def _canonical(ds: xr.Dataset, seed_dim: str) -> xr.Dataset:
     return ds
 
 
-def _open_one(path: Path, seed_dim: str) -> xr.Dataset:
+def open_checked(path: str | os.PathLike, what: str, validate) -> xr.Dataset:
+    """The file at `path` loaded into memory (file closed), checked by `validate(ds, path)`,
+    with plain Python attributes; InputError naming the file and `what` it should have been."""
+    path = Path(path)
     if not path.exists():
         raise _fail(path, "no such file")
     if not path.is_file():
@@ -158,10 +161,15 @@ def _open_one(path: Path, seed_dim: str) -> xr.Dataset:
             ds = ds.load()
     except (OSError, ValueError, KeyError, TypeError) as err:
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise _fail(path, f"not a readable results file ({reason})") from None
-    validate_results(ds, path, seed_dim=seed_dim)
+        raise _fail(path, f"not a readable {what} ({reason})") from None
+    validate(ds, path)
     # netCDF hands attributes back as numpy scalars; plain Python values print and serialise cleanly.
     ds.attrs = {key: value.item() if isinstance(value, np.generic) else value for key, value in ds.attrs.items()}
+    return ds
+
+
+def _open_one(path: Path, seed_dim: str) -> xr.Dataset:
+    ds = open_checked(path, "results file", lambda ds, source: validate_results(ds, source, seed_dim=seed_dim))
     return _canonical(ds, seed_dim)
 
 

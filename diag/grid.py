@@ -144,12 +144,16 @@ class Cell:
     @property
     def name(self) -> str:
         """The cell's run directory below the grid's runs directory."""
-        return "/".join(f"{axis}={label}" for axis, label in self.coords)
+        return _cell_name(self.coords)
 
     @property
     def key(self) -> tuple:
         """The labels in axis order (the cell's coordinates in the collected file)."""
         return tuple(label for _, label in self.coords)
+
+
+def _cell_name(coords: tuple[tuple[str, Any], ...]) -> str:
+    return "/".join(f"{axis}={label}" for axis, label in coords)
 
 
 def _toml_literal(value: Any) -> str:
@@ -340,7 +344,7 @@ def grid_cells(spec: GridSpec) -> list[Cell]:
     for key in sorted(combos, key=lambda k: any(v.get(FLOPS_OF) is not None for v in combos[k])):
         combo = combos[key]
         coords = tuple((axis.name, label) for axis, label in zip(spec.axes, key, strict=True))
-        name = "/".join(f"{axis}={label}" for axis, label in coords)
+        name = _cell_name(coords)
         assignments = list(spec.overrides) + [pair for value in combo for pair in value.assignments]
         overrides = [f"{k}={_toml_literal(v)}" for k, v in assignments if k not in (BUDGET, FLOPS_OF)]
         config = _config(spec, name, overrides)
@@ -417,8 +421,8 @@ def _train_command(spec: GridSpec, cell: Cell, runs: Path, *, resume: bool) -> l
     return command + (["--resume", run_dir] if resume else [])
 
 
-def _log_path(runs: Path, cell: Cell) -> Path:
-    return runs / "logs" / (cell.name.replace("/", "__") + ".log")
+def _log_path(runs: Path, name: str) -> Path:
+    return runs / "logs" / (name.replace("/", "__") + ".log")
 
 
 def run_grid(
@@ -447,7 +451,7 @@ def run_grid(
             while pending or running:
                 while pending and len(running) < jobs:
                     cell = pending.pop(0)
-                    log = _log_path(runs, cell).open("a", encoding="utf-8")
+                    log = _log_path(runs, cell.name).open("a", encoding="utf-8")
                     resume = states[cell.name] == "interrupted"
                     command = _train_command(spec, cell, runs, resume=resume)
                     log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
@@ -472,9 +476,7 @@ def run_grid(
                 process.wait()
                 log.close()
     if failed:
-        listed = "; ".join(
-            f"{name} (exit {code}, log {_log_path(runs, _cell_named(cells, name))})" for name, code in failed
-        )
+        listed = "; ".join(f"{name} (exit {code}, log {_log_path(runs, name)})" for name, code in failed)
         raise RunFailed(f"{spec.path}: {len(failed)} of {len(cells)} cells failed: {listed}; rerun to resume them")
     return GridRunReport(trained=tuple(name for name, _ in trained), skipped=skipped)
 
@@ -495,10 +497,6 @@ def _terminate_raises_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def _cell_named(cells: list[Cell], name: str) -> Cell:
-    return next(cell for cell in cells if cell.name == name)
 
 
 # --- collecting -----------------------------------------------------------------------------
