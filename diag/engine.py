@@ -328,10 +328,12 @@ class UpdateDiagnostic:
         return {**params, **{name: b.clone() for name, b in self.buffers.items()}}
 
     def _logits_width(self) -> int:
-        """The last dimension of the model's logits, from one forward of a row of token id 0
-        at the shallowest serving depth: known before any token reaches the embedding, so a
-        foreign vocabulary is named instead of failing as an index error deep in the model."""
-        probe = torch.zeros(1, self.eval_tokens.shape[1] - 1, dtype=torch.long, device=self.device)
+        """The last dimension of the model's logits, from one forward of token id 0 at the
+        shallowest serving depth: known before any token reaches the embedding, so a foreign
+        vocabulary is named instead of failing as an index error deep in the model. The input
+        has an evaluation chunk's shape, which compiled blocks have a graph for anyway."""
+        rows = min(self.options.eval_batch_size, self.eval_tokens.shape[0])
+        probe = torch.zeros(rows, self.eval_tokens.shape[1] - 1, dtype=torch.long, device=self.device)
         depth = min(self.options.serving_depths)
         with torch.no_grad(), _module_mode(self.model, training=False):
             output = torch.func.functional_call(

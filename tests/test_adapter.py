@@ -129,6 +129,8 @@ def test_adapter_results_equal_compare_updates_and_leave_the_model_alone(tmp_pat
         np.testing.assert_array_equal(ds.nll_before.values[0], unit.nll_before.values)
     assert np.abs(ds.benefit.values).max() > 0
     assert_same_state(before, state_of(adapted))
+    summary = CliRunner().invoke(main, ["summarize", str(out)])
+    assert summary.exit_code == 0 and "huginn" in summary.stdout, summary.output
     # The same inputs resume as the finished run; other inputs are another run.
     assert cli(*args, "--update-depths", "1,4", "--serving", "1-3,6", "--resume")[0] == 0
     code, _, err = cli(*args[:3], "steps=4", *args[4:], "--update-depths", "1,4", "--serving", "1-3,6", "--resume")

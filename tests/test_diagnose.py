@@ -27,6 +27,10 @@ from trainer.data import build_source
 from trainer.model import LoopedTransformer, ModelConfig
 from trainer.optim import build_optimizer
 
+# The runs here are a few updates long, so compare_updates warns about Adam's bias correction
+# throughout; the warning the command prints has its own test at the end.
+pytestmark = pytest.mark.filterwarnings("ignore::diag.engine.BiasCorrectionWarning")
+
 SEQ, BATCH, CARRIED = 12, 4, 6
 UPDATE_DEPTHS, SERVING = (2, 5), (1, 2, 3, 5, 8)
 

@@ -29,7 +29,7 @@ DEPTHS = (1, 2, 5, 9)
 def run_config(**model):
     return RunConfig(
         model=ModelConfig(
-            vocab_size=VOCAB, max_seq_len=SEQ, d_model=32, n_heads=2, n_prelude=1, n_core=1, n_coda=1, **model
+            **{"vocab_size": VOCAB, "max_seq_len": SEQ, "d_model": 32, "n_heads": 2, "n_core": 1, **model}
         ),
         data=DataConfig(bios_people=20, eval_sequences=4),
         optim=OptimConfig(lr=1e-2),
