@@ -6,9 +6,11 @@ rename never crosses a file system), is fsynced, and then replaces the target wi
 target is left as it was. Temporary names start with a dot, so globs for the real
 files never see them.
 
-Only `kill -9` (or a power cut) leaves a temporary behind: `.NAME.XXXXXXXX.tmpSUFFIX`
-beside NAME. A writer that holds the output's lock (common/lock.py) is the only one that
-can be writing NAME, so it removes such leftovers with `remove_stale_temporaries`.
+`atomic_directory` does the same for a folder of files, which appears complete or not
+at all. Only `kill -9` (or a power cut) leaves a temporary behind: `.NAME.XXXXXXXX.tmpSUFFIX`
+beside NAME (a file, or a folder for `atomic_directory`). A writer that holds the output's
+lock (common/lock.py) is the only one that can be writing NAME, so it removes such
+leftovers with `remove_stale_temporaries`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,6 +56,56 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a new empty temporary folder beside `path` to fill; when the block ends without
+    an error, it takes the place of `path`, replacing the folder there if there is one (the
+    caller decides whether it may). The parent directory must exist.
+
+    Readers see the old folder or the new one, each complete; between the two renames of a
+    replacement `path` is briefly absent.
+    """
+    path = Path(path)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=_temporary_suffix(path), dir=path.parent))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        yield tmp
+        for file in tmp.rglob("*"):
+            if file.is_file() and not file.is_symlink():
+                with open(file, "rb") as handle:
+                    os.fsync(handle.fileno())
+        if path.exists():
+            # rename() replaces an empty folder only: move the old one aside first.
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=_temporary_suffix(path), dir=path.parent))
+            os.replace(path, old)
+            try:
+                os.replace(tmp, path)
+            except OSError:
+                os.replace(old, path)
+                raise
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
+    except OSError as err:
+        if err.filename is None or str(tmp) not in str(err.filename):
+            raise
+        # Name the folder the user asked for, not the temporary one.
+        named = str(err.filename).replace(str(tmp), str(path))
+        raise OSError(err.errno, err.strerror or str(err).splitlines()[0], named) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove(stale: Path) -> None:
+    """Remove a leftover temporary: a file, or a folder of `atomic_directory`."""
+    if stale.is_dir() and not stale.is_symlink():
+        shutil.rmtree(stale, ignore_errors=True)
+    else:
+        stale.unlink(missing_ok=True)
+
+
 def _temporary_suffix(path: Path) -> str:
     return f".tmp{path.suffix}"
 
@@ -83,7 +136,7 @@ def remove_stale_temporaries(path: str | os.PathLike) -> list[Path]:
     for name in sorted(names):
         if _is_temporary_of(name, path.name):
             stale = path.parent / name
-            stale.unlink(missing_ok=True)
+            _remove(stale)
             removed.append(stale)
     return removed
 
@@ -101,7 +154,7 @@ def remove_stale_temporaries_in(directory: str | os.PathLike) -> list[Path]:
         match = re.fullmatch(r"\.(.+)\." + _RANDOM + r"\.tmp(.*)", name)
         if match and _is_temporary_of(name, match.group(1)):
             stale = directory / name
-            stale.unlink(missing_ok=True)
+            _remove(stale)
             removed.append(stale)
     return removed
 

@@ -4,7 +4,8 @@
 
 runs one (snapshot, batch) unit; `UpdateDiagnostic` shares the per-snapshot work
 (Delta(0), the NLL before the update) across batches; `diag.run.diagnose` runs
-many snapshot files into one results file. See docs/diagnostic.md.
+many snapshot files, or the `AdaptedModel` an adapter function returns, into one
+results file. See docs/diagnostic.md.
 
 The names below load on first use: `import diag.cli` (the `depthdiag` command)
 must not pay for importing torch and xarray just to print its help.
@@ -13,6 +14,8 @@ must not pay for importing torch and xarray just to print its help.
 from importlib import import_module
 
 _HOMES = {
+    "AdaptedModel": "diag.adapter",
+    "BiasCorrectionWarning": "diag.engine",
     "DiagnosticOptions": "diag.engine",
     "UpdateDiagnostic": "diag.engine",
     "compare_updates": "diag.engine",

@@ -352,12 +352,26 @@ def eval_checkpoint(
 
 
 @main.command()
-@click.argument("snapshots", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.argument("snapshots", nargs=-1, type=click.Path(dir_okay=False))
 @click.option(
     "--out",
     required=True,
     type=click.Path(dir_okay=False),
     help="Results file (HDF5). Finished units wait in OUT.parts/ until the run completes.",
+)
+@click.option(
+    "--adapter",
+    metavar="MODULE:FUNCTION",
+    default=None,
+    help="Instead of SNAPSHOTS, a model from another codebase: FUNCTION returns a diag.AdaptedModel "
+    '(model, optimizer, batches, eval_tokens; README: "Models in and out").',
+)
+@click.option(
+    "--adapter-arg",
+    "adapter_args",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="A keyword argument of the adapter function, as a string (repeatable).",
 )
 @click.option(
     "--update-depths",
@@ -415,6 +429,8 @@ def eval_checkpoint(
 def diagnose(
     snapshots: tuple[str, ...],
     out: str,
+    adapter: str | None,
+    adapter_args: tuple[str, ...],
     update_depths: str,
     serving: str,
     max_depth: int,
@@ -430,7 +446,8 @@ def diagnose(
     no_progress: bool,
 ) -> None:
     """Compare single updates at several depths from each SNAPSHOT (snapshot or checkpoint
-    files of one run) on its batches; write nll, benefit and update statistics to OUT.
+    files of one run), or from the model an --adapter function returns, on its batches;
+    write nll, benefit and update statistics to OUT.
 
     \b
     Benefit(s) = NLL after the first depth's update - NLL after the last depth's update,
@@ -440,12 +457,15 @@ def diagnose(
     NLL, loss or update RMS (a diverged snapshot) stops it with exit 2, naming the file and batch.
     """
     from common.depths import parse_serving_depths, parse_update_depths
+    from diag.adapter import parse_adapter_args
     from diag.run import DiagnoseConfig
     from diag.run import diagnose as run_diagnose
 
     config = DiagnoseConfig(
         snapshots=snapshots,
         out=out,
+        adapter=adapter,
+        adapter_args=parse_adapter_args(adapter_args),
         update_depths=parse_update_depths(update_depths, limit=max_depth),
         serving_depths=parse_serving_depths(serving, limit=max_depth),
         batches=batches,
@@ -991,6 +1011,29 @@ def grid_compare(collected: Path, schedule: str, serving: str, level: float, as_
         click.echo(json.dumps(_json_ready({"attrs": comparison.attrs, "variables": document}), indent=2))
     else:
         click.echo(format_comparison(comparison))
+
+
+# --- export ---------------------------------------------------------------------------------
+
+
+@main.command("export")
+@click.argument("checkpoint", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Folder to write model.safetensors and config.json to (new, or empty).",
+)
+@click.option("--force", is_flag=True, help="Overwrite an earlier export in --out (never a folder with other files).")
+@reports_errors
+def export_model(checkpoint: Path, out: Path, force: bool) -> None:
+    """Write the model of CHECKPOINT (a checkpoint or a snapshot) as OUT/model.safetensors
+    (its state_dict) and OUT/config.json (its ModelConfig, with the source file's sha256 and
+    the run config for provenance), which load back with a few lines of plain PyTorch and
+    no pickle (README: "Models in and out")."""
+    from trainer.export import export_checkpoint
+
+    click.echo(f"wrote {export_checkpoint(checkpoint, out, force=force)}")
 
 
 if __name__ == "__main__":

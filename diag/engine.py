@@ -14,14 +14,22 @@ For weights theta with optimizer state S and one training batch b:
 clones of theta and S, Delta(0), the NLL of theta itself); `compare_updates`
 is the one-shot wrapper. Neither touches the model or the optimizer: all
 forwards go through `torch.func.functional_call` on clones.
+
+A model from another codebase is checked before anything is computed, each problem a
+one-sentence InputError naming the fix: a forward that takes no `depth_kwarg`, an output
+that is neither logits nor an object with `.logits`, token ids beyond the logits' last
+dimension. `compare_updates` warns (BiasCorrectionWarning) when Adam's state is too young
+for the comparison to mean much.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import json
 import math
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -170,6 +178,60 @@ def clipped_gradients(grads: list[Tensor], max_norm: float | None) -> list[Tenso
     return [g * coef.to(g.device) for g in grads]
 
 
+def _check_depth_kwarg(model: nn.Module, depth_kwarg: str) -> None:
+    """Refuse a `depth_kwarg` the model's forward cannot take, listing the keywords it can."""
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return  # no readable signature (a C extension): the call itself will tell
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return
+    keywords = [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if depth_kwarg in keywords:
+        return
+    if parameters and parameters[0].kind is not parameters[0].KEYWORD_ONLY:
+        keywords = keywords[1:]  # the first is the input ids
+    accepted = ", ".join(keywords) if keywords else "no keyword besides the input"
+    raise InputError(
+        f"depth_kwarg={depth_kwarg!r}: {type(model).__name__}.forward takes no keyword {depth_kwarg!r} "
+        f"(it accepts {accepted}); depth_kwarg names the keyword that sets the number of loop iterations, "
+        "e.g. depth_kwarg='num_steps' for Huginn-style models"
+    )
+
+
+def _check_vocabulary(tokens: Tensor, name: str, vocab_size: int) -> None:
+    """Refuse token ids the model's logits have no entry for (cross_entropy would index out of range)."""
+    top = int(tokens.max()) if tokens.numel() else -1
+    if top >= vocab_size:
+        raise InputError(
+            f"{name} holds token id {top} but the model's logits have {vocab_size} entries (its vocabulary); "
+            "tokenize with the model's own vocabulary"
+        )
+
+
+class BiasCorrectionWarning(UserWarning):
+    """Adam's bias correction still dominates the step being diagnosed: its updates are
+    close to sign-like and the comparison says more about normalisation than curvature."""
+
+
+def bias_correction_message(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why a diagnostic of `optimizer`'s next step says little (docs/diagnostic.md), or None:
+    an Adam or AdamW that has taken fewer than 3 / (1 - beta2) steps."""
+    if not isinstance(optimizer, torch.optim.Adam):
+        return None
+    beta2 = float(optimizer.param_groups[0]["betas"][1])
+    steps = [float(s["step"]) for s in optimizer.state.values() if "step" in s]
+    taken = min(steps) if steps else 0.0
+    bound = 3 / (1 - beta2)
+    if taken >= bound:
+        return None
+    return (
+        f"the optimizer has taken {taken:.0f} steps (< 3 / (1 - beta2) = {bound:.0f}), so Adam's bias correction "
+        "makes its updates sign-like and the diagnostic reflects normalisation more than curvature; diagnose a "
+        "state from later in training (docs/diagnostic.md)"
+    )
+
+
 def _check_tokens(tokens: Tensor, name: str) -> Tensor:
     if not torch.is_tensor(tokens) or tokens.dim() != 2 or tokens.shape[1] < 2:
         shape = tuple(tokens.shape) if torch.is_tensor(tokens) else type(tokens).__name__
@@ -237,6 +299,10 @@ class UpdateDiagnostic:
         self.buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
         self.device = next(iter(values.values())).device if values else torch.device("cpu")
         self.eval_tokens = _check_tokens(eval_tokens, "eval_tokens").to(self.device)
+        _check_depth_kwarg(model, options.depth_kwarg)
+        self.vocab_size = self._logits_width()
+        """V: the last dimension of the model's logits; every token id must be below it."""
+        _check_vocabulary(self.eval_tokens, "eval_tokens", self.vocab_size)
         targets = self.eval_tokens[:, 1:]
         if eval_mask is not None:
             if not torch.is_tensor(eval_mask) or eval_mask.dtype != torch.bool or eval_mask.shape != targets.shape:
@@ -261,11 +327,38 @@ class UpdateDiagnostic:
         # (running statistics) must not leak one pass into the next.
         return {**params, **{name: b.clone() for name, b in self.buffers.items()}}
 
+    def _logits_width(self) -> int:
+        """The last dimension of the model's logits, from one forward of token id 0 at the
+        shallowest serving depth: known before any token reaches the embedding, so a foreign
+        vocabulary is named instead of failing as an index error deep in the model. The input
+        has an evaluation chunk's shape, which compiled blocks have a graph for anyway."""
+        rows = min(self.options.eval_batch_size, self.eval_tokens.shape[0])
+        probe = torch.zeros(rows, self.eval_tokens.shape[1] - 1, dtype=torch.long, device=self.device)
+        depth = min(self.options.serving_depths)
+        with torch.no_grad(), _module_mode(self.model, training=False):
+            output = torch.func.functional_call(
+                self.model, self._state(self.theta), (probe,), {self.options.depth_kwarg: depth}
+            )
+        logits = output_logits(output)
+        if logits.dim() != 3 or logits.shape[:2] != probe.shape:
+            raise InputError(
+                f"the model's forward returned logits of shape {list(logits.shape)} for input ids of shape "
+                f"{list(probe.shape)}; it must return logits [B, T, V], one row of V per input token"
+            )
+        return int(logits.shape[-1])
+
+    def check_batch(self, batch: Tensor, name: str = "batch") -> Tensor:
+        """`batch` as int64 on the model's device; InputError unless it is token ids [B, T+1]
+        that the model's logits cover."""
+        batch = _check_tokens(batch, name).to(self.device)
+        _check_vocabulary(batch, name, self.vocab_size)
+        return batch
+
     def gradient(self, batch: Tensor, depth: int) -> tuple[float, list[Tensor]]:
         """Training loss at `depth` on `batch` [B, T+1] and its gradient for the optimizer's
         parameters (fp32, flat order; zeros where a parameter gets none), clipped over all
         parameters as `clip_grad_norm_(model.parameters())` does in training."""
-        batch = _check_tokens(batch, "batch").to(self.device)
+        batch = self.check_batch(batch)
         leaves = {name: t.detach().requires_grad_(self.requires_grad[name]) for name, t in self.theta.items()}
         autocast = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
@@ -407,7 +500,10 @@ def compare_updates(
     """The update diagnostic for one (snapshot, batch) unit; see `UpdateDiagnostic` and
     docs/diagnostic.md. `batch` [B, T+1] and `eval_tokens` [E, T+1] are token ids;
     `eval_mask` bool [E, T], when given, counts only the targets eval_tokens[:, 1:] it marks.
-    The model and the optimizer are left bit-for-bit unchanged."""
+    The model and the optimizer are left bit-for-bit unchanged.
+
+    Bad input is one InputError (a ValueError) naming the fix; an Adam state too young for
+    the comparison to mean much is a BiasCorrectionWarning."""
     options = DiagnosticOptions(
         update_depths=tuple(update_depths),
         serving_depths=tuple(serving_depths),
@@ -419,4 +515,8 @@ def compare_updates(
         precision=precision,
         eval_batch_size=eval_batch_size,
     )
-    return UpdateDiagnostic(model, optimizer, eval_tokens, options, eval_mask=eval_mask).compare(batch)
+    diagnostic = UpdateDiagnostic(model, optimizer, eval_tokens, options, eval_mask=eval_mask)
+    message = bias_correction_message(optimizer)
+    if message is not None:
+        warnings.warn(message, BiasCorrectionWarning, stacklevel=2)
+    return diagnostic.compare(batch)

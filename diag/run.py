@@ -20,6 +20,11 @@ snapshot file and the batch, and leaves no parts behind.
 Ordinary checkpoints (no `batches`) are accepted: their batches are the next
 ones the run itself would have drawn, `build_source(cfg.data).batch(cfg.train.seed,
 step + i, cfg.train.batch_size, cfg.train.seq_len)`.
+
+In place of snapshot files, an adapter function (diag/adapter.py) may hand the run a model
+from another codebase: it becomes the one entry along `snapshot`, with the sha256 of its
+weights, optimizer state and tokens in place of a file's, through the same units, parts,
+resume and results file.
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ from common.depths import MAX_SERVING_DEPTH
 from common.errors import InputError
 from common.lock import exclusive_output
 from common.progress import progress_bar
-from diag.engine import DiagnosticOptions, UpdateDiagnostic
+from diag.adapter import AdaptedModel, adapter_config_json, load_adapter
+from diag.engine import DiagnosticOptions, UpdateDiagnostic, bias_correction_message
 from diag.evalset import evaluation_set, resolve_eval_set
 from trainer.checkpoint import Snapshot, load_snapshot
 from trainer.data import build_source
@@ -65,9 +71,14 @@ RMS scales may be NaN for a zero update), with the words an error uses for them.
 @dataclass(frozen=True)
 class DiagnoseConfig:
     snapshots: tuple[str, ...]
-    """Snapshot or checkpoint files of one model config (any order; sorted by (uniform_updates, step))."""
+    """Snapshot or checkpoint files of one model config (any order; sorted by (uniform_updates, step));
+    empty with `adapter`."""
     out: str
     """Results file to write (HDF5); unit files go to OUT.parts/ until the run is complete."""
+    adapter: str | None = None
+    """'module:function' returning a diag.AdaptedModel: a model from another codebase instead of snapshots."""
+    adapter_args: tuple[tuple[str, str], ...] = ()
+    """(KEY, VALUE) keyword arguments of the adapter function, values as strings."""
     update_depths: tuple[int, ...] = (4, 16)
     """Depths of the compared updates; the first is the reference."""
     serving_depths: tuple[int, ...] = tuple(range(1, 17))
@@ -104,8 +115,17 @@ class DiagnoseConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "snapshots", tuple(str(p) for p in self.snapshots))
-        if not self.snapshots:
-            raise InputError("no snapshot files given")
+        if not self.snapshots and self.adapter is None:
+            raise InputError("no snapshot files given (or --adapter MODULE:FUNCTION for a model from another codebase)")
+        if self.snapshots and self.adapter is not None:
+            raise InputError("snapshot files and --adapter exclude each other: diagnose one or the other")
+        if self.adapter_args and self.adapter is None:
+            raise InputError("--adapter-arg needs --adapter: it is an argument of the adapter function")
+        if self.adapter is not None and self.eval_set == "attributes":
+            raise InputError(
+                f"--adapter {self.adapter}: --eval-set attributes needs a bioS run's snapshots; "
+                "an adapter's model is scored on its eval_tokens"
+            )
         if self.batches is not None and self.batches < 1:
             raise InputError(f"--batches must be >= 1, got {self.batches}")
         if self.device not in DEVICE_CHOICES:
@@ -164,9 +184,50 @@ class _Entry:
     """The run config stored in the file."""
     eval_set: str
     """The evaluation set it is scored on: 'snapshot' or 'attributes' ('auto' resolved)."""
+    adapted: AdaptedModel | None = field(default=None, repr=False, compare=False)
+    """An adapter's model, optimizer and tokens (None for a file)."""
+    diagnostic: UpdateDiagnostic | None = field(default=None, repr=False, compare=False)
+    """The adapter's diagnostic, built (and so its input checked) before the run writes anything."""
+
+
+def _adapter_entry(config: DiagnoseConfig) -> _Entry:
+    spec = config.adapter
+    adapted = load_adapter(spec, config.adapter_args)
+    wanted = config.batches or len(adapted.batches)
+    if wanted > len(adapted.batches):
+        raise InputError(f"--adapter {spec}: returned {len(adapted.batches)} batches, --batches asks for {wanted}")
+    options = replace(
+        config.diagnostic,
+        depth_kwarg=adapted.depth_kwarg,
+        grad_clip=adapted.grad_clip,
+        lr=config.lr if config.lr is not None else adapted.lr,
+    )
+    try:
+        diagnostic = UpdateDiagnostic(adapted.model, adapted.optimizer, adapted.eval_tokens, options)
+        for i in range(wanted):
+            diagnostic.check_batch(adapted.batches[i], f"batch {i}")
+    except InputError as err:
+        raise InputError(f"--adapter {spec}: {err}") from None
+    steps = [float(s["step"]) for s in adapted.optimizer.state.values() if "step" in s]
+    return _Entry(
+        name=adapted.name or spec,
+        path=spec,
+        sha256=adapted.fingerprint(),
+        step=int(max(steps)) if steps else 0,
+        uniform_updates=0,
+        lr=diagnostic.step.lrs[0],
+        batches=wanted,
+        batch_source="adapter",
+        config_json=adapter_config_json(spec, config.adapter_args, adapted),
+        eval_set="snapshot",
+        adapted=adapted,
+        diagnostic=diagnostic,
+    )
 
 
 def _entries(config: DiagnoseConfig) -> list[_Entry]:
+    if config.adapter is not None:
+        return [_adapter_entry(config)]
     entries, first = [], None
     for path in config.snapshots:
         snap = load_snapshot(path)
@@ -362,6 +423,21 @@ def _batches(snap: Snapshot, indices: list[int]) -> Iterator[tuple[int, torch.Te
         yield i, source.batch(cfg.train.seed, snap.step + i, cfg.train.batch_size, cfg.train.seq_len)
 
 
+def _open(
+    config: DiagnoseConfig, entry: _Entry, device: torch.device, indices: list[int]
+) -> tuple[UpdateDiagnostic, torch.optim.Optimizer, Iterator[tuple[int, torch.Tensor]]]:
+    """The entry's diagnostic, its optimizer, and its batches (i, batch i) for `indices`."""
+    if entry.adapted is not None:
+        batches = entry.adapted.batches
+        return entry.diagnostic, entry.adapted.optimizer, ((i, batches[i]) for i in indices)
+    snap = _load_again(entry)
+    model = snap.model(device)
+    optimizer = snap.optimizer(model)
+    eval_tokens, eval_mask = _evaluation_set(config, snap)
+    diagnostic = UpdateDiagnostic(model, optimizer, eval_tokens, _snapshot_options(config, snap), eval_mask=eval_mask)
+    return diagnostic, optimizer, _batches(snap, indices)
+
+
 def _run_units(config: DiagnoseConfig, entries: list[_Entry], parts: Path, device: torch.device) -> None:
     todo = {e.name: [i for i in range(e.batches) if not _part_path(parts, e, i).exists()] for e in entries}
     total = sum(e.batches for e in entries)
@@ -370,16 +446,11 @@ def _run_units(config: DiagnoseConfig, entries: list[_Entry], parts: Path, devic
         for entry in entries:
             if not todo[entry.name]:
                 continue
-            snap = _load_again(entry)
-            model = snap.model(device)
-            optimizer = snap.optimizer(model)
-            options = _snapshot_options(config, snap)
-            eval_tokens, eval_mask = _evaluation_set(config, snap)
-            diagnostic = UpdateDiagnostic(model, optimizer, eval_tokens, options, eval_mask=eval_mask)
-            warning = _bias_correction_warning(entry, optimizer)
+            diagnostic, optimizer, batches = _open(config, entry, device, todo[entry.name])
+            warning = bias_correction_message(optimizer)
             if warning:
-                bar.write(warning)
-            for i, batch in _batches(snap, todo[entry.name]):
+                bar.write(f"warning: {entry.path}: {warning}")
+            for i, batch in batches:
                 bar.set_postfix_str(f"{entry.name} batch {i}")
                 unit = diagnostic.compare(batch)
                 problem = _non_finite(unit)
@@ -392,28 +463,12 @@ def _run_units(config: DiagnoseConfig, entries: list[_Entry], parts: Path, devic
                     )
                 write_dataset(unit.expand_dims(snapshot=[entry.name], batch=[i]), _part_path(parts, entry, i))
                 bar.update(1)
-            del diagnostic, optimizer, model, snap
+            del diagnostic, optimizer, batches
 
 
 def _evaluation_set(config: DiagnoseConfig, snap: Snapshot) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(eval_tokens, eval_mask) for the chosen evaluation set."""
     return evaluation_set(config.eval_set, snap.config, snap.eval_tokens)
-
-
-def _bias_correction_warning(entry: _Entry, optimizer: torch.optim.Optimizer) -> str | None:
-    """A warning when Adam's bias correction still dominates the step (docs/diagnostic.md)."""
-    if not isinstance(optimizer, torch.optim.Adam):
-        return None
-    beta2 = optimizer.param_groups[0]["betas"][1]
-    steps = [float(s["step"]) for s in optimizer.state.values() if "step" in s]
-    taken = min(steps) if steps else 0.0
-    if taken >= 3 / (1 - beta2):
-        return None
-    return (
-        f"warning: {entry.path}: the optimizer has taken {taken:.0f} steps (< 3 / (1 - beta2) = "
-        f"{3 / (1 - beta2):.0f}); bias correction makes its updates sign-like, so the diagnostic reflects "
-        "normalisation more than curvature (docs/diagnostic.md)"
-    )
 
 
 def _git_commit() -> str:
@@ -494,13 +549,28 @@ def _assemble(config: DiagnoseConfig, entries: list[_Entry], manifest: dict, par
     return ds
 
 
+def _device(config: DiagnoseConfig, entries: list[_Entry]) -> torch.device:
+    """The device the units run on: --device for snapshot files; for an adapter, the one its
+    model is on (moving a caller's model would change it)."""
+    adapted = entries[0].adapted
+    if adapted is None:
+        return resolve_device(config.device)
+    device = entries[0].diagnostic.device
+    if config.device != "auto" and config.device != device.type:
+        raise InputError(
+            f"--adapter {config.adapter}: --device {config.device}, but the adapter's model is on {device.type}; "
+            "the adapter puts the model on its device (e.g. through an --adapter-arg)"
+        )
+    return device
+
+
 def diagnose(config: DiagnoseConfig) -> Path:
     """Run every unit of `config` and write the results file; returns its path."""
     out = Path(config.out)
     parts = out.with_name(out.name + ".parts")
     entries = _entries(config)
     config = replace(config, eval_set=entries[0].eval_set)
-    device = resolve_device(config.device)
+    device = _device(config, entries)
     manifest = _manifest(config, entries, device)
     # Taken before anything on disk is looked at or deleted, held to the end.
     with exclusive_output(out):

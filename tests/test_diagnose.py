@@ -27,6 +27,10 @@ from trainer.data import build_source
 from trainer.model import LoopedTransformer, ModelConfig
 from trainer.optim import build_optimizer
 
+# The runs here are a few updates long, so compare_updates warns about Adam's bias correction
+# throughout; the warning the command prints has its own test at the end.
+pytestmark = pytest.mark.filterwarnings("ignore::diag.engine.BiasCorrectionWarning")
+
 SEQ, BATCH, CARRIED = 12, 4, 6
 UPDATE_DEPTHS, SERVING = (2, 5), (1, 2, 3, 5, 8)
 
@@ -454,3 +458,19 @@ def test_a_non_finite_unit_stops_the_run_naming_the_snapshot_and_batch(run, tmp_
     assert not out.exists() and not parts.exists() and list(tmp_path.iterdir()) == []
     # Nothing is in the way of the next run, without --force.
     assert cli(run[2], "--out", out, "--batches", 3, *SMALL).exit_code == 0
+
+
+def test_the_bias_correction_warning_is_shown_once_per_snapshot(run, tmp_path):
+    # The snapshots' AdamW has taken 2 and 4 steps, far below 3 / (1 - 0.95) = 60.
+    args = [run[2], run[4], "--out", tmp_path / "r.h5", "--batches", 2, "--serving", "1-2", "--no-progress"]
+    result = CliRunner().invoke(main, ["diagnose", *map(str, args)])
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.stderr.splitlines() if "bias correction" in line]
+    assert warnings == [
+        f"warning: {run[2]}: the optimizer has taken 2 steps (< 3 / (1 - beta2) = 60), so Adam's bias correction "
+        "makes its updates sign-like and the diagnostic reflects normalisation more than curvature; diagnose a "
+        "state from later in training (docs/diagnostic.md)",
+        f"warning: {run[4]}: the optimizer has taken 4 steps (< 3 / (1 - beta2) = 60), so Adam's bias correction "
+        "makes its updates sign-like and the diagnostic reflects normalisation more than curvature; diagnose a "
+        "state from later in training (docs/diagnostic.md)",
+    ]

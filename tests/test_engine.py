@@ -4,6 +4,8 @@ directly, NLL from separate `model(x, depth=s)` calls."""
 
 import copy
 import math
+import re
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,11 +15,23 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import diag
-from diag.engine import DiagnosticOptions, UpdateDiagnostic, global_cosine, global_rms, match_rms
+from common.errors import InputError
+from diag.engine import (
+    BiasCorrectionWarning,
+    DiagnosticOptions,
+    UpdateDiagnostic,
+    global_cosine,
+    global_rms,
+    match_rms,
+)
 from trainer.config import OptimConfig
 from trainer.model import LoopedTransformer, ModelConfig
 from trainer.optim import build_optimizer
 from trainer.train import clip_grad_norm_in_place, training_loss
+
+# The test optimizers have taken a few steps, so compare_updates warns about Adam's bias
+# correction throughout; the warning has its own test at the end.
+pytestmark = pytest.mark.filterwarnings("ignore::diag.engine.BiasCorrectionWarning")
 
 VOCAB, SEQ = 48, 12
 UPDATE_DEPTHS, SERVING = (2, 6), tuple(range(1, 9))
@@ -403,3 +417,92 @@ def test_eval_mask_counts_only_the_marked_targets():
             assert ds["nll_before"].values[i] == pytest.approx(float(expected), rel=1e-6)
     with pytest.raises(ValueError, match="eval_mask"):
         diag.compare_updates(model, optimizer, batch, eval_tokens, eval_mask=mask[:, :5])
+
+
+# --- bad input from the Python API: one sentence naming the fix -------------------------------
+
+
+def test_a_depth_keyword_the_forward_does_not_take_names_the_ones_it_does():
+    torch.manual_seed(0)
+    model = HuginnStyle()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(InputError) as caught:
+        diag.compare_updates(model, opt, tokens(4, 1), tokens(4, 2), update_depths=(1, 2), serving_depths=(1,))
+    message = str(caught.value)
+    assert "depth_kwarg='depth'" in message and "takes no keyword 'depth'" in message
+    assert "(it accepts num_steps)" in message and "depth_kwarg='num_steps'" in message
+    assert isinstance(caught.value, ValueError) and "\n" not in message
+
+
+class ReturnsTuple(nn.Module):
+    """A forward that returns (logits, cache), as some codebases do without return_dict."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, depth):
+        return self.inner(input_ids, depth=depth), None
+
+
+@dataclass
+class NoLogits:
+    hidden: torch.Tensor
+
+
+class ReturnsObject(ReturnsTuple):
+    def forward(self, input_ids, depth):
+        return NoLogits(self.inner(input_ids, depth=depth))
+
+
+class ReturnsLoss(ReturnsTuple):
+    def forward(self, input_ids, depth):
+        return self.inner(input_ids, depth=depth).mean(-1)  # [B, T]: not logits
+
+
+@pytest.mark.parametrize(
+    ("wrapper", "named"),
+    [(ReturnsTuple, "returned a tuple"), (ReturnsObject, "returned a NoLogits"), (ReturnsLoss, "shape [4, 12]")],
+)
+def test_an_output_that_is_not_logits_is_named(wrapper, named):
+    model = wrapper(tiny_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(InputError, match=re.escape(named)) as caught:
+        diag.compare_updates(model, opt, tokens(4, 1), tokens(4, 2), update_depths=(1, 2), serving_depths=(1,))
+    assert "\n" not in str(caught.value)
+
+
+def test_token_ids_beyond_the_logits_name_both_numbers():
+    model = tiny_model()  # VOCAB = 48 logits
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    foreign = tokens(4, 2)
+    foreign[2, 5] = VOCAB + 11  # one id of a larger tokenizer: the embedding would fail on it first
+    with pytest.raises(
+        InputError, match=f"eval_tokens holds token id {VOCAB + 11} but the model's logits have {VOCAB}"
+    ):
+        diag.compare_updates(model, opt, tokens(4, 1), foreign, update_depths=(1, 2), serving_depths=(1,))
+    with pytest.raises(InputError, match=f"batch holds token id {VOCAB + 11} but the model's logits have {VOCAB}"):
+        diag.compare_updates(model, opt, foreign, tokens(4, 1), update_depths=(1, 2), serving_depths=(1,))
+    # An id that is the last one the logits cover is fine.
+    edge = tokens(4, 3)
+    edge[0, 0] = VOCAB - 1
+    diag.compare_updates(model, opt, edge, edge, update_depths=(1, 2), serving_depths=(1,))
+
+
+def test_compare_updates_warns_while_adams_bias_correction_dominates():
+    model = tiny_model()
+    beta2 = 0.5  # 3 / (1 - beta2) = 6 steps
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, beta2))
+    args = (tokens(4, 1), tokens(4, 2))
+    kwargs = dict(update_depths=(1, 2), serving_depths=(1,))
+    with pytest.warns(BiasCorrectionWarning, match=r"taken 0 steps \(< 3 / \(1 - beta2\) = 6\)") as caught:
+        diag.compare_updates(model, opt, *args, **kwargs)
+    assert len(caught) == 1 and caught[0].filename == __file__  # points at the caller's line
+    trained(model, opt, 5)
+    with pytest.warns(BiasCorrectionWarning, match="taken 5 steps"):
+        diag.compare_updates(model, opt, *args, **kwargs)
+    trained(model, opt, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BiasCorrectionWarning)
+        diag.compare_updates(model, opt, *args, **kwargs)  # 6 steps: no warning
+        diag.compare_updates(model, torch.optim.SGD(model.parameters(), lr=0.1), *args, **kwargs)

@@ -34,8 +34,15 @@ once per forward, so that each forward can get fresh copies of buffers it may wr
 
 def output_logits(output) -> Tensor:
     """The logits of a forward's output: the output itself, or its `.logits`
-    (Hugging Face style output objects)."""
-    return output.logits if hasattr(output, "logits") else output
+    (Hugging Face style output objects); InputError naming the type for anything else."""
+    logits = output.logits if hasattr(output, "logits") else output
+    if not torch.is_tensor(logits):
+        what = type(output).__name__ + (f" whose .logits is a {type(logits).__name__}" if logits is not output else "")
+        raise InputError(
+            f"the model's forward returned a {what}, not a tensor of logits or an object with a .logits tensor; "
+            "wrap the model in a Module whose forward returns one of those"
+        )
+    return logits
 
 
 class NllByDepth(nn.Module):
