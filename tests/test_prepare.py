@@ -75,10 +75,10 @@ def invoke(*args: str):
 
 def prepared(corpus, out: Path, *more: str) -> dict:
     code, stdout, stderr = invoke(
-        str(corpus[0]), "--out", str(out), "--vocab-size", "400", "--val-fraction", "0.25", *more
+        str(corpus[0]), "--out", str(out), "--vocab-size", "320", "--val-fraction", "0.25", *more
     )
     assert code == 0, stderr
-    assert stdout.startswith(f"wrote {out}: vocabulary 400, uint16;")
+    assert stdout.startswith(f"wrote {out}: vocabulary 320, uint16;")
     return json.loads((out / "meta.json").read_text())
 
 
@@ -88,7 +88,6 @@ def split_documents(out: Path, split: str, dtype: str = "uint16") -> list[str]:
 
     meta = json.loads((out / "meta.json").read_text())
     tokenizer = Tokenizer.from_file(str(out / meta["tokenizer"]))
-    tokenizer.encode_special_tokens = True
     ids = np.fromfile(out / f"{split}.bin", dtype=dtype).tolist()
     assert ids[-1] == meta["eot_id"]
     documents, current = [], []
@@ -99,6 +98,18 @@ def split_documents(out: Path, split: str, dtype: str = "uint16") -> list[str]:
         else:
             current.append(token)
     return documents
+
+
+def test_help_imports_neither_numpy_nor_tokenizers():
+    code = (
+        "import sys\n"
+        "from click.testing import CliRunner\n"
+        "import diag.cli\n"
+        "assert CliRunner().invoke(diag.cli.main, ['prepare', '--help']).exit_code == 0\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'tokenizers')))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
 
 
 def test_bins_decode_to_each_splits_documents_and_meta_describes_them(corpus, tmp_path):
@@ -113,18 +124,18 @@ def test_bins_decode_to_each_splits_documents_and_meta_describes_them(corpus, tm
     assert sorted(p.name for p in out.iterdir()) == ["meta.json", "tokenizer.json", "train.bin", "val.bin"]
 
     train_ids, val_ids = (np.fromfile(out / f"{s}.bin", dtype=np.uint16) for s in ("train", "val"))
-    assert meta["vocab_size"] == 400 and meta["dtype"] == "uint16"
+    assert meta["vocab_size"] == 320 and meta["dtype"] == "uint16"
     assert meta["tokenizer"] == "tokenizer.json" and meta["eot_token"] == "<|endoftext|>" and meta["eot_id"] == 0
     assert meta["tokens"] == {"train": len(train_ids), "val": len(val_ids)}
     assert meta["documents"] == {"train": len(train), "val": len(val)}
-    assert meta["max_token_id"] == max(train_ids.max(), val_ids.max()) < 400
+    assert meta["max_token_id"] == max(train_ids.max(), val_ids.max()) < 320
     assert meta["corpus_sha256"] == sha256sum_listing(root, names)
     assert meta["input_files"] == 3 and meta["input_bytes"] == sum((root / n).stat().st_size for n in names)
     assert meta["tokenizer_sha256"] == hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest()
-    assert meta["split"]["val_fraction"] == 0.25 and meta["tokenizer_training"]["vocab_size_asked"] == 400
+    assert meta["split"]["val_fraction"] == 0.25 and meta["tokenizer_training"]["vocab_size_asked"] == 320
     assert meta["options"] == {
         "inputs": [str(root)],
-        "vocab_size": 400,
+        "vocab_size": 320,
         "tokenizer": None,
         "text_field": "text",
         "val_fraction": 0.25,
@@ -153,7 +164,7 @@ def test_the_bin_source_reads_the_output(corpus, tmp_path):
     out = tmp_path / "data"
     prepared(corpus, out)
     source = build_source(DataConfig(source="bin", path=str(out)))
-    assert source.vocab_size == 400
+    assert source.vocab_size == 320
     val_ids = np.fromfile(out / "val.bin", dtype=np.uint16)
     assert source.eval_tokens(2, 8)[0].tolist() == val_ids[:9].tolist()
     assert source.batch(seed=0, step=0, batch_size=4, seq_len=8).shape == (4, 9)
@@ -205,7 +216,7 @@ def test_a_given_tokenizer_is_copied_and_used(corpus, tmp_path):
     meta = json.loads((out / "meta.json").read_text())
     assert (out / "tokenizer.json").read_bytes() == given.read_bytes()
     assert meta["tokenizer_training"] is None and meta["options"]["tokenizer"] == str(given)
-    assert meta["vocab_size"] == 400 and meta["corpus_sha256"] == sha256sum_listing(other, ["new.jsonl"])
+    assert meta["vocab_size"] == 320 and meta["corpus_sha256"] == sha256sum_listing(other, ["new.jsonl"])
     tokenizer = Tokenizer.from_file(str(given))
     tokenizer.encode_special_tokens = True
     expected = {"train": [], "val": []}
@@ -246,6 +257,15 @@ def test_a_large_vocabulary_is_written_as_uint32(tmp_path):
     assert split_documents(out, "val", "uint32") == [d for d in documents if in_val(d, 0.3)]
 
 
+def test_a_vocabulary_the_corpus_cannot_fill_is_reported(corpus, tmp_path):
+    out = tmp_path / "data"
+    code, stdout, stderr = invoke(str(corpus[0]), "--out", str(out), "--vocab-size", "5000", "--val-fraction", "0.25")
+    assert code == 0, stderr
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["vocab_size"] < 5000 and meta["tokenizer_training"]["vocab_size_asked"] == 5000
+    assert f"vocabulary {meta['vocab_size']} (asked for 5,000: no more pairs occur twice)" in stdout
+
+
 def test_whole_file_documents(corpus, tmp_path):
     out = tmp_path / "data"
     root = corpus[0]
@@ -278,7 +298,8 @@ def test_an_existing_output_is_refused_without_force(corpus, tmp_path):
     assert code == 2 and stdout == "" and stderr.count("\n") == 1
     assert f"{out}: already exists; pass --force" in stderr
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    code, _, stderr = invoke(str(corpus[0]), "--out", str(out), "--vocab-size", "300", "--force")
+    args = [str(corpus[0]), "--out", str(out), "--vocab-size", "300", "--val-fraction", "0.25"]
+    code, _, stderr = invoke(*args, "--force")
     assert code == 0, stderr
     assert json.loads((out / "meta.json").read_text())["vocab_size"] == 300
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "data"]  # no partial folder or lock left
@@ -352,7 +373,13 @@ def test_prepare_the_kjv_text_and_train_on_it(tmp_path):
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "kjv-bpe.toml").write_text(config, encoding="utf-8")
     run = tmp_path / "run"
-    overrides = ["train.updates=50", "optim.warmup=10", "train.precision='fp32'", "train.snapshot_uniform_updates=[0]"]
+    overrides = [
+        "train.updates=50",
+        "optim.warmup=10",
+        "train.precision='fp32'",
+        "train.log_every=1",
+        "train.snapshot_uniform_updates=[0]",
+    ]
     args = ["train", str(tmp_path / "configs" / "kjv-bpe.toml"), "--out", str(run), "--no-progress"]
     result = CliRunner().invoke(main, args + [a for o in overrides for a in ("--set", o)])
     assert result.exit_code == 0, result.output
