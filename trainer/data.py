@@ -25,7 +25,9 @@ Sources (DataConfig.source):
   first SCAN_TOKENS (2**24) tokens of each file are read at open. Every batch and the
   evaluation set are checked as they are drawn (one max over a few thousand
   ids), so an id past the scanned prefix never reaches the model: InputError
-  names the file and the id.
+  names the file and the id. A meta.json `dtype` ('uint16' or 'uint32', as `depthdiag
+  prepare` writes, trainer/prepare.py) must equal data.bin_dtype; its `tokenizer` names the
+  tokenizer.json the ids come from, relative to `data.path`.
 - 'text': one UTF-8 file with byte-level tokens (vocab 256); the last 10% of
   the bytes is held out for evaluation.
 - 'bios': the synthetic factual-recall task of trainer/bios.py.
@@ -176,6 +178,12 @@ def _bin_vocab_size(directory: Path, bin_dtype: str, arrays: dict[str, np.ndarra
             vocab_size = record["vocab_size"]
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
             raise InputError(f"{meta}: expected JSON with an integer vocab_size ({err!r})") from None
+        recorded_dtype = record.get("dtype", bin_dtype)
+        if recorded_dtype != bin_dtype:
+            raise InputError(
+                f"{meta}: the token files are {recorded_dtype!r}, but data.bin_dtype is {bin_dtype!r}; "
+                f"set data.bin_dtype = {json.dumps(recorded_dtype)}"
+            )
         if not _is_int(vocab_size) or not 1 <= vocab_size <= dtype_range:
             raise InputError(f"{meta}: vocab_size must be an integer in [1, {dtype_range}], got {vocab_size!r}")
         max_token_id = record.get("max_token_id")
