@@ -901,7 +901,8 @@ def plot_training_loss(
     color = sns.color_palette(PALETTE)[0]
     x, loss = ds["updates"].values, ds["loss"].values
     ax.plot(x, loss, color=color, alpha=0.35, linewidth=0.8, label="per metrics line (mean since the previous)")
-    ax.plot(x, trailing_mean(loss, window), color=color, linewidth=1.8, label=f"trailing mean over {window} lines")
+    smoothed = f"trailing mean over {window} line{'s' * (window != 1)}"
+    ax.plot(x, trailing_mean(loss, window), color=color, linewidth=1.8, label=smoothed)
     _mark_switch(ax, switch_step)
     ax.set_xlabel("updates")
     ax.set_ylabel("training loss (nats)")
