@@ -332,8 +332,9 @@ def combine_seeds(datasets, sources, *, seed_dim: str = "seed") -> xr.Dataset:
     The files must differ in nothing but the seed (see `_check_same_experiment`);
     otherwise InputError names the file (from `sources`) and the first difference.
     Snapshots are matched by uniform-update count and labelled as in the first
-    file. The `seed_dim` coordinate is each file's seed (attribute `seed`, else the
-    run config's train.seed) when every file has one, else 0..n-1. The `lr`
+    file. The `seed_dim` coordinate is each file's seed (its scalar `seed_dim`
+    coordinate, else attribute `seed`, else the run config's train.seed) when every file
+    has one, else 0..n-1. The `lr`
     coordinate, when present, becomes (seed, snapshot): seeds may have been
     diagnosed at different learning rates, which the summary warns about.
     Attributes shared by all files are kept; the rest are dropped.
