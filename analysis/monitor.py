@@ -28,7 +28,7 @@ import os
 import numpy as np
 import xarray as xr
 
-from analysis.store import ENGINE, open_checked
+from analysis.store import DESCRIPTIONS, ENGINE, open_checked
 from common.errors import InputError
 
 KIND = "monitor"
@@ -38,21 +38,13 @@ NO_SWITCH = -1
 """`switch_step` of a schedule without a switch."""
 
 MONITOR_VARIABLES: dict[str, tuple[tuple[str, ...], str, str]] = {
-    "nll": (
-        ("step", "batch", "update_depth", "serving_depth"),
-        "mean token NLL on the evaluation set after the RMS-matched update",
-        "nats",
-    ),
-    "nll_before": (("step", "serving_depth"), "mean token NLL on the evaluation set before the update", "nats"),
-    "benefit": (("step", "batch", "serving_depth"), "NLL after the reference update minus NLL after the other", "nats"),
-    "update_rms": (("step", "batch", "update_depth"), "RMS of the update over all parameters, before matching", "1"),
-    "rms_scale": (("step", "batch", "update_depth"), "factor the update was scaled by to match RMS", "1"),
-    "train_loss": (
-        ("step", "batch", "update_depth"),
-        "training loss of the diagnostic batch at the update depth",
-        "nats",
-    ),
-    "update_cosine": (("step", "batch"), "cosine between the first and the last depth's updates", "1"),
+    "nll": (("step", "batch", "update_depth", "serving_depth"), *DESCRIPTIONS["nll"]),
+    "nll_before": (("step", "serving_depth"), *DESCRIPTIONS["nll_before"]),
+    "benefit": (("step", "batch", "serving_depth"), *DESCRIPTIONS["benefit"]),
+    "update_rms": (("step", "batch", "update_depth"), *DESCRIPTIONS["update_rms"]),
+    "rms_scale": (("step", "batch", "update_depth"), *DESCRIPTIONS["rms_scale"]),
+    "train_loss": (("step", "batch", "update_depth"), *DESCRIPTIONS["train_loss"]),
+    "update_cosine": (("step", "batch"), *DESCRIPTIONS["update_cosine"]),
     "lr": (("step",), "learning rate of the diagnosed update (the next training update's)", "1"),
     "depth_probability": (("step", "depth"), "probability of each training depth at this step under the schedule", "1"),
 }
@@ -62,8 +54,8 @@ added when more than two update depths are compared."""
 COORDINATES = {
     "step": ("updates before the check", "updates"),
     "batch": ("diagnostic batch of the check", "1"),
-    "update_depth": ("recurrent depth the update was computed at", "iterations"),
-    "serving_depth": ("recurrent depth the updated model was evaluated at", "iterations"),
+    "update_depth": DESCRIPTIONS["update_depth"],
+    "serving_depth": DESCRIPTIONS["serving_depth"],
     "depth": ("training depth of the schedule", "iterations"),
 }
 
@@ -74,7 +66,8 @@ def describe(ds: xr.Dataset) -> xr.Dataset:
         if name in ds:
             ds[name].attrs.update(long_name=long_name, units=units)
     if "benefit_all" in ds:
-        ds["benefit_all"].attrs.update(long_name="NLL after the reference update minus NLL after each", units="nats")
+        long_name, units = DESCRIPTIONS["benefit_all"]
+        ds["benefit_all"].attrs.update(long_name=long_name, units=units)
     for name, (long_name, units) in COORDINATES.items():
         if name in ds.coords:
             ds[name].attrs.update(long_name=long_name, units=units)

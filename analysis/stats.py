@@ -15,8 +15,10 @@ batch counts) are left out and do not count in n.
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import inspect
+import io
 import math
 from typing import Literal
 
@@ -349,6 +351,35 @@ def format_summary_table(rows: list[dict], *, level: float = 0.95) -> str:
         lines.append(cells)
     widths = [max(len(cells[i]) for cells in [header, *lines]) for i in range(len(header))]
     return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(cells, widths)) for cells in [header, *lines])
+
+
+def trailing_mean(values, window: int) -> np.ndarray:
+    """Mean of each value and the `window` - 1 before it (fewer at the start), NaNs skipped:
+    the smoothed training loss of `depthdiag plot --figure curves`."""
+    values = np.asarray(values, dtype=np.float64)
+    if window < 1:
+        raise InputError(f"window must be >= 1, got {window}")
+    finite = np.isfinite(values)
+    sums = np.cumsum(np.where(finite, values, 0.0))
+    counts = np.cumsum(finite)
+    behind_sums = np.concatenate([np.zeros(window), sums[:-window]])[: values.size]
+    behind_counts = np.concatenate([np.zeros(window), counts[:-window]])[: values.size]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (sums - behind_sums) / (counts - behind_counts)
+
+
+def format_csv(rows: list[dict]) -> str:
+    """Summary rows (`summary_table`, `monitor_summary_table`) as CSV: a header of every key in
+    the order first seen, then a line per row; floats at full precision, an interval that could
+    not be formed (NaN) or a value that does not exist (None) as an empty field."""
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(columns)
+    for row in rows:
+        values = [row.get(column) for column in columns]
+        writer.writerow(["" if v is None or (isinstance(v, float) and not math.isfinite(v)) else v for v in values])
+    return buffer.getvalue()
 
 
 # --- the finishing phase ------------------------------------------------------------------

@@ -10,9 +10,18 @@ Schema (one file = one diagnostic run; several seeds combine along `seed`):
 | update_rms, rms_scale | snapshot, batch, update_depth |
 | update_cosine | snapshot, batch |
 
-Coordinates: `snapshot` (str) with `uniform_updates` and `step` along it, `batch`,
-`update_depth`, `serving_depth`. Attributes are str, int or float only, so every
-netCDF reader sees the same values.
+Coordinates: `snapshot` (str) with `uniform_updates`, `step` and `lr` along it, `batch`,
+`update_depth`, `serving_depth`, and the run's training seed `seed` (a scalar; the
+dimension of several seeds combined). Every variable and coordinate carries `long_name`
+and `units` (CF style, DESCRIPTIONS). Attributes are str, int or float only, so every
+netCDF reader sees the same values; they include the run config, the diagnostic settings
+and the provenance: python_version, numpy_version, torch_version, depthdiag_version,
+git_commit and git_dirty (1 when the source tree had uncommitted changes, 0 when not,
+'unknown' without git).
+
+Files written before the seed coordinate and the descriptions existed open as well: a
+file's seed then comes from its `seed` attribute or its run config's train.seed, and the
+descriptions are added on opening (`open_results`).
 """
 
 from __future__ import annotations
@@ -41,6 +50,35 @@ VARIABLE_DIMS: dict[str, tuple[str, ...]] = {
 }
 INDEX_COORDS = ("snapshot", "batch", "update_depth", "serving_depth")
 SNAPSHOT_COORDS = ("uniform_updates", "step")
+
+DESCRIPTIONS: dict[str, tuple[str, str]] = {
+    "nll": ("mean token NLL on the evaluation set after the RMS-matched update", "nats"),
+    "nll_before": ("mean token NLL on the evaluation set before the update", "nats"),
+    "benefit": ("NLL after the reference update minus NLL after the other", "nats"),
+    "benefit_all": ("NLL after the reference update minus NLL after each", "nats"),
+    "update_rms": ("RMS of the update over all parameters, before matching", "1"),
+    "rms_scale": ("factor the update was scaled by to match RMS", "1"),
+    "train_loss": ("training loss of the diagnostic batch at the update depth", "nats"),
+    "update_cosine": ("cosine between the first and the last depth's updates", "1"),
+    "update_depth": ("recurrent depth the update was computed at", "iterations"),
+    "serving_depth": ("recurrent depth the updated model was evaluated at", "iterations"),
+    "snapshot": ("snapshot file the update starts from", "1"),
+    "uniform_updates": ("updates since the switch to the finishing schedule", "updates"),
+    "step": ("updates before the snapshot", "updates"),
+    "lr": ("learning rate of the diagnosed update", "1"),
+    "batch": ("diagnostic batch of the snapshot", "1"),
+    "seed": ("training seed of the run", "1"),
+}
+"""name -> (long_name, units) of every variable and coordinate a results file may hold; the
+monitor file (analysis/monitor.py) shares the entries of the variables both hold."""
+
+
+def describe_results(ds: xr.Dataset) -> xr.Dataset:
+    """`ds` with `long_name` and `units` on every variable and coordinate DESCRIPTIONS names."""
+    for name, (long_name, units) in DESCRIPTIONS.items():
+        if name in ds.variables:
+            ds[name].attrs.update(long_name=long_name, units=units)
+    return ds
 
 
 def _netcdf_attr(name: str, value):
@@ -169,12 +207,21 @@ def open_checked(path: str | os.PathLike, what: str, validate) -> xr.Dataset:
 
 
 def _open_one(path: Path, seed_dim: str) -> xr.Dataset:
+    """A results file, validated, with the seed coordinate (from the attributes when the file
+    predates it) and the descriptions."""
     ds = open_checked(path, "results file", lambda ds, source: validate_results(ds, source, seed_dim=seed_dim))
-    return _canonical(ds, seed_dim)
+    if seed_dim not in ds.coords:
+        seed = _seed_of(ds)
+        if seed is not None:
+            ds = ds.assign_coords({seed_dim: np.int64(seed)})
+    return describe_results(_canonical(ds, seed_dim))
 
 
-def _seed_of(ds: xr.Dataset):
-    """The run's seed from the attributes (`seed`, else the run config's train.seed), or None."""
+def _seed_of(ds: xr.Dataset, seed_dim: str = "seed"):
+    """The run's seed: its scalar `seed_dim` coordinate, else the `seed` attribute, else the
+    run config's train.seed; None when none is there."""
+    if seed_dim in ds.coords and ds[seed_dim].ndim == 0:
+        return int(ds[seed_dim])
     if "seed" in ds.attrs:
         return int(ds.attrs["seed"])
     config = ds.attrs.get("config")
@@ -285,8 +332,9 @@ def combine_seeds(datasets, sources, *, seed_dim: str = "seed") -> xr.Dataset:
     The files must differ in nothing but the seed (see `_check_same_experiment`);
     otherwise InputError names the file (from `sources`) and the first difference.
     Snapshots are matched by uniform-update count and labelled as in the first
-    file. The `seed_dim` coordinate is each file's seed (attribute `seed`, else the
-    run config's train.seed) when every file has one, else 0..n-1. The `lr`
+    file. The `seed_dim` coordinate is each file's seed (its scalar `seed_dim`
+    coordinate, else attribute `seed`, else the run config's train.seed) when every file
+    has one, else 0..n-1. The `lr`
     coordinate, when present, becomes (seed, snapshot): seeds may have been
     diagnosed at different learning rates, which the summary warns about.
     Attributes shared by all files are kept; the rest are dropped.
@@ -297,7 +345,7 @@ def combine_seeds(datasets, sources, *, seed_dim: str = "seed") -> xr.Dataset:
     for ds, path in zip(datasets[1:], sources[1:]):
         _check_same_experiment(first, first_path, ds, path, seed_dim)
 
-    seeds = [_seed_of(ds) for ds in datasets]
+    seeds = [_seed_of(ds, seed_dim) for ds in datasets]
     if any(seed is None for seed in seeds):
         seeds = list(range(len(datasets)))
     seen: dict[int, object] = {}
@@ -313,11 +361,11 @@ def combine_seeds(datasets, sources, *, seed_dim: str = "seed") -> xr.Dataset:
     ]
     per_seed_coords = [name for name in ("lr",) if all(name in ds.coords for ds in relabelled)]
     combined = xr.concat(
-        [ds.reset_coords(per_seed_coords) for ds in relabelled],
+        [ds.reset_coords(per_seed_coords).drop_vars(seed_dim, errors="ignore") for ds in relabelled],
         dim=xr.DataArray(seeds, dims=seed_dim, name=seed_dim),
         join="outer",
         combine_attrs="drop_conflicts",
         coords="minimal",
         compat="override",
     )
-    return _canonical(combined.set_coords(per_seed_coords), seed_dim)
+    return describe_results(_canonical(combined.set_coords(per_seed_coords), seed_dim))

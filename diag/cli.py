@@ -71,8 +71,30 @@ def reports_errors(command):
     return wrapper
 
 
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """`--version`: the installed package's version, read from its metadata (no torch import)."""
+    if not value or ctx.resilient_parsing:
+        return
+    from importlib import metadata
+
+    try:
+        version = metadata.version("depthdiag")
+    except metadata.PackageNotFoundError:
+        version = "unknown (not installed; pip install -e . records it)"
+    click.echo(f"depthdiag {version}")
+    ctx.exit()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
+@click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_print_version,
+    help="Print the depthdiag version and exit.",
+)
 def main(debug: bool) -> None:
     """Train adaptive-depth looped transformers and diagnose when multi-depth updates matter.
 
@@ -281,6 +303,18 @@ def train_run(
     """Train the looped transformer CONFIG describes: metrics, checkpoints and
     switch-point snapshots go to the run directory, and with a [monitor] block the
     in-training update diagnostic to RUN/monitor.h5.
+
+    \b
+    RUN/metrics.jsonl has a JSON line every train.log_every updates and at each checkpoint:
+      step         0-based index of the update the line closes
+      depth        that update's depth; depth_counts: {"K": updates at depth K since the last line}
+      loss         mean training token NLL (nats) since the last line; lr, grad_norm
+      tokens, flops, wall_time   cumulative: tokens, modeled FLOPs, seconds of training
+      val_nll_S    with train.eval_every = N > 0, every N updates and at the last: mean token
+                   NLL (nats) of the held-out evaluation set at serving depth S, for each S of
+                   train.eval_depths (default 1-16); N must be a multiple of train.log_every
+    [logging] tensorboard = true / wandb = true mirror these scalars to RUN/tensorboard and
+    W&B (offline in RUN/wandb unless WANDB_MODE says otherwise); extras `tensorboard`, `wandb`.
 
     \b
     Under torchrun every process runs this and rank 0 writes the files:
@@ -517,12 +551,34 @@ def _monitor_file(results: tuple[Path, ...]) -> Path | None:
     return monitors[0] if monitors else None
 
 
-def _summarize_monitor(path: Path, as_json: bool, options: IntervalOptions) -> None:
+def _export_csv(rows: list[dict], csv_out: str | None, force: bool) -> bool:
+    """Write the summary rows as CSV to `csv_out` (a file, atomically under its lock; '-': stdout);
+    returns whether the CSV took stdout's place."""
+    if csv_out is None:
+        return False
+    from analysis.stats import format_csv
+
+    text = format_csv(rows)
+    if csv_out == "-":
+        click.echo(text, nl=False)
+        return True
+    from common.atomic import atomic_write_text
+    from common.lock import claimed_outputs
+
+    with claimed_outputs([csv_out], force=force):
+        atomic_write_text(text, csv_out)
+    click.echo(f"wrote {csv_out}", err=True)
+    return False
+
+
+def _summarize_monitor(path: Path, as_json: bool, options: IntervalOptions, csv_out: str | None, force: bool) -> None:
     from analysis.monitor import open_monitor
     from analysis.stats import format_monitor_summary, interval_coverage, monitor_summary_table
 
     ds = open_monitor(path)
     rows = monitor_summary_table(ds, options=options)
+    if _export_csv(rows, csv_out, force):
+        return
     if as_json:
         document = {
             "monitor": str(path),
@@ -543,9 +599,23 @@ def _summarize_monitor(path: Path, as_json: bool, options: IntervalOptions) -> N
 @main.command()
 @click.argument("results", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (NaN as null).")
+@click.option(
+    "--csv",
+    "csv_out",
+    is_flag=False,
+    flag_value="-",
+    default=None,
+    metavar="[FILE|-]",
+    help="Also write the summary table as CSV to FILE (a row per snapshot, or per check of a monitor "
+    "file; empty fields for intervals that could not be formed); --csv alone or --csv - prints it "
+    "instead of the table.",
+)
+@click.option("--force", is_flag=True, help="Overwrite an existing --csv FILE.")
 @reports_errors
 @interval_options
-def summarize(results: tuple[Path, ...], as_json: bool, options: IntervalOptions) -> None:
+def summarize(
+    results: tuple[Path, ...], as_json: bool, csv_out: str | None, force: bool, options: IntervalOptions
+) -> None:
     """Per snapshot: depth-averaged benefit with its confidence intervals, and how long
     the finishing phase needs to be.
 
@@ -554,8 +624,17 @@ def summarize(results: tuple[Path, ...], as_json: bool, options: IntervalOptions
     batches is shown as batch noise only. One file gives the batch interval alone.
     A run's monitor file (RUN/monitor.h5) gives the depth-averaged benefit per training step.
     """
+    if as_json and csv_out == "-":
+        raise InputError("--json and --csv - both print to standard output: pick one")
+    if csv_out is not None and (Path(csv_out) in results or Path(csv_out).suffix in (".h5", ".hdf5", ".nc")):
+        # `--csv a.h5 b.h5` reads a.h5 as the CSV's name: never write over a results file.
+        raise InputError(f"--csv {csv_out}: names a results file; put --csv after the RESULTS or name a .csv file")
+    if csv_out not in (None, "-"):
+        from common.lock import refuse_existing
+
+        refuse_existing([Path(csv_out)], force=force)
     if _monitor_file(results) is not None:
-        _summarize_monitor(results[0], as_json, options)
+        _summarize_monitor(results[0], as_json, options, csv_out, force)
         return
     from analysis.stats import (
         describe_intervals,
@@ -573,6 +652,8 @@ def summarize(results: tuple[Path, ...], as_json: bool, options: IntervalOptions
         rows = summary_table(ds, options=options)
         has_switch = 0 in ds["uniform_updates"].values
         phase = finishing_phase(ds, options=options) if has_switch else None
+    if _export_csv(rows, csv_out, force):
+        return
     if as_json:
         unit = rows[0]["unit"]
         document = {
@@ -603,12 +684,14 @@ def summarize(results: tuple[Path, ...], as_json: bool, options: IntervalOptions
 @click.option(
     "--figure",
     "figure_number",
-    type=click.Choice(["4", "map", "monitor", *GRID_FIGURES]),
+    type=click.Choice(["4", "map", "monitor", "curves", *GRID_FIGURES]),
     default="4",
     show_default=True,
     help="Which figure: the paper's Figure 4 (results files); map: which update depth helps which serving "
     "depth, at the switch and after 16 uniform updates (results files diagnosed with several update depths, "
-    "e.g. --update-depths 4,1,2,8,16); monitor: a run's monitor file (RUN/monitor.h5); or from a collected "
+    "e.g. --update-depths 4,1,2,8,16); monitor: a run's monitor file (RUN/monitor.h5); curves: a run "
+    "directory's training loss (raw and smoothed) and validation NLL per serving depth, the switch marked; "
+    "or from a collected "
     "grid file (depthdiag grid collect): 1 (recall by serving depth at each FLOP budget), 2 (serving NLL "
     "against modeled FLOPs), 3-loss (training-loss trajectories), 5 (peak-normalised recall of fixed "
     "depths), 8 (NLL by serving depth).",
@@ -626,13 +709,17 @@ def plot(results: tuple[Path, ...], figure_number: str, out: Path, force: bool, 
     """Draw a figure from RESULTS files (several files are several seeds: the error bars and
     bands are then intervals over seeds; with one file they cover batch noise only).
     `--figure map` draws the update-depth x serving-depth map (seed-level means, or batch
-    means for one file); `--figure monitor` draws a run's RUN/monitor.h5."""
+    means for one file); `--figure monitor` draws a run's RUN/monitor.h5; `--figure curves` a
+    run directory's metrics.jsonl (`depthdiag plot runs/tiny --figure curves --out curves.png`)."""
     from analysis.figures import figure4, figure_paths, monitor_figure, save_figure, update_depth_map_figure
     from analysis.monitor import open_monitor
     from analysis.store import open_results
     from common.lock import refuse_existing
 
     refuse_existing(figure_paths(out), force=force)
+    if figure_number == "curves":
+        _plot_curves(results, out, force)
+        return
     if figure_number in GRID_FIGURES:
         _plot_grid(results, figure_number, out, force)
         return
@@ -674,6 +761,21 @@ def _plot_grid(results: tuple[Path, ...], figure_number: str, out: Path, force: 
     with naming_files(results):
         fig = draw(open_grid(results[0]))
     for path in figures.save_figure(fig, out, force=force):
+        click.echo(f"wrote {path}")
+
+
+def _plot_curves(runs: tuple[Path, ...], out: Path, force: bool) -> None:
+    from analysis.figures import curves_figure, save_figure
+    from diag.curves import training_curves
+
+    if len(runs) != 1:
+        raise InputError(f"--figure curves draws one run directory, got {len(runs)} paths")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fig = curves_figure(training_curves(runs[0]))
+    for warning in caught:
+        click.echo(f"depthdiag: warning: {warning.message}", err=True)
+    for path in save_figure(fig, out, force=force):
         click.echo(f"wrote {path}")
 
 

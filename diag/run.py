@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import platform
 import shutil
 import subprocess
 import sys
@@ -43,7 +44,7 @@ import numpy as np
 import torch
 import xarray as xr
 
-from analysis.store import write_dataset
+from analysis.store import describe_results, write_dataset
 from common.atomic import atomic_output, remove_stale_temporaries_in
 from common.benefit import benefit_description
 from common.choices import DEVICE_CHOICES, EVAL_SET_CHOICES
@@ -492,6 +493,42 @@ def _version() -> str:
         return "unknown"
 
 
+def _git_dirty() -> int | str:
+    """1 when the source tree has uncommitted changes to tracked files, 0 when not; 'unknown'
+    (with the reason) when git cannot tell, e.g. an installed copy outside a checkout."""
+    try:
+        result = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git)"
+    if result.returncode != 0:
+        return "unknown (not a git checkout)"
+    return int(bool(result.stdout.strip()))
+
+
+def provenance() -> dict[str, str | int]:
+    """The versions and source state a results file records."""
+    return {
+        "depthdiag_version": _version(),
+        "python_version": platform.python_version(),
+        "numpy_version": np.__version__,
+        "torch_version": str(torch.__version__),
+        "git_commit": _git_commit(),
+        "git_dirty": _git_dirty(),
+    }
+
+
+def _run_seed(entries: list[_Entry]) -> int | None:
+    """The training seed every snapshot's run shares (None when they differ)."""
+    seeds = {json.loads(e.config_json)["train"]["seed"] for e in entries}
+    return int(seeds.pop()) if len(seeds) == 1 else None
+
+
 def _assemble(config: DiagnoseConfig, entries: list[_Entry], manifest: dict, parts: Path) -> xr.Dataset:
     n_batch = max(e.batches for e in entries)
     arrays: dict[str, np.ndarray] = {}
@@ -523,6 +560,9 @@ def _assemble(config: DiagnoseConfig, entries: list[_Entry], manifest: dict, par
         "update_depth": np.array(config.update_depths, dtype=np.int64),
         "serving_depth": np.array(config.serving_depths, dtype=np.int64),
     }
+    seed = _run_seed(entries)
+    if seed is not None:
+        coords["seed"] = np.int64(seed)
     configs = {e.name: e.config_json for e in entries}
     attrs = {
         "config": entries[0].config_json,
@@ -533,9 +573,7 @@ def _assemble(config: DiagnoseConfig, entries: list[_Entry], manifest: dict, par
         "optimizer": str(unit_attrs["optimizer"]),
         "grad_clip": float(unit_attrs["grad_clip"]),
         "precision": str(unit_attrs["precision"]),
-        "depthdiag_version": _version(),
-        "torch_version": str(torch.__version__),
-        "git_commit": _git_commit(),
+        **provenance(),
         "snapshot_sha256": json.dumps({e.name: e.sha256 for e in entries}, sort_keys=True),
         "snapshot_paths": json.dumps({e.name: e.path for e in entries}, sort_keys=True),
         "batch_source": json.dumps({e.name: e.batch_source for e in entries}, sort_keys=True),
@@ -546,7 +584,7 @@ def _assemble(config: DiagnoseConfig, entries: list[_Entry], manifest: dict, par
         attrs["snapshot_configs"] = json.dumps({k: json.loads(v) for k, v in configs.items()}, sort_keys=True)
     ds = xr.Dataset(variables, coords=coords, attrs=attrs)
     ds["benefit"].attrs["description"] = benefit_description(config.update_depths[0], config.update_depths[-1])
-    return ds
+    return describe_results(ds)
 
 
 def _device(config: DiagnoseConfig, entries: list[_Entry]) -> torch.device:

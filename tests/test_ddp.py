@@ -43,6 +43,8 @@ snapshot_uniform_updates = [0, 2]
 snapshot_batches = 2
 device = "cpu"
 log_every = 1
+eval_every = 4
+eval_depths = "1-3"
 """
 
 
@@ -101,6 +103,15 @@ def test_two_gloo_processes_match_one_process(tmp_path):
     schedule = parse_schedule(config.train.schedule, seed=config.train.seed, total_updates=8)
     assert [r["rank_depths"] for r in ddp] == [[schedule.depth_at(s)] * 2 for s in range(8)]
     assert "rank_depths" not in single[0]
+    assert [r["depth_counts"] for r in ddp] == [{str(schedule.depth_at(s)): 1} for s in range(8)]
+    # Rank 0 alone scored the evaluation set; the others went on to the next update.
+    validated = [r["step"] for r in ddp if "val_nll_1" in r]
+    assert validated == [r["step"] for r in single if "val_nll_1" in r] == [3, 7]
+    for a, b in zip(ddp, single):
+        if "val_nll_1" in a:
+            assert [a[f"val_nll_{d}"] for d in (1, 2, 3)] == pytest.approx(
+                [b[f"val_nll_{d}"] for d in (1, 2, 3)], rel=1e-4
+            )
 
     # Rank 0 alone wrote the files, with the same checkpoints and snapshots as one process.
     for relative in (

@@ -7,6 +7,11 @@ and results file.
     [optim]  OptimConfig
     [train]  TrainConfig
     [monitor] MonitorConfig (optional: left out of the JSON while it is the default, off)
+    [logging] LoggingConfig (optional: left out of the JSON while it is the default, off)
+
+Keys added after runs were stored (train.eval_every, train.eval_depths, [logging]) are
+left out of the JSON while they hold their defaults, so a stored config loads with them at
+their defaults and equals, and serialises as, the config a new run writes.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from common.choices import DEVICE_CHOICES, EVAL_SET_CHOICES, PRECISION_CHOICES
-from common.depths import MAX_SERVING_DEPTH
+from common.depths import MAX_SERVING_DEPTH, parse_serving_depths
 from common.errors import InputError
 from trainer.model import ModelConfig
 from trainer.schedules import parse_schedule
@@ -121,6 +126,12 @@ class TrainConfig:
     """'auto' (cuda when available), 'cpu' or 'cuda'."""
     log_every: int = 10
     """Write a metrics line every this many updates."""
+    eval_every: int = 0
+    """Score the held-out evaluation set at every `eval_depths` depth every this many updates and
+    at the end (keys val_nll_S of the metrics line; rank 0, no effect on training); a multiple of
+    log_every, so it lands on a metrics line. 0: off (the default)."""
+    eval_depths: str = "1-16"
+    """Serving depths of the validation NLL, in the depth-list grammar ('1-16', '1,2,4,8', '1-4,8,16')."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "snapshot_uniform_updates", tuple(self.snapshot_uniform_updates))
@@ -140,6 +151,23 @@ class TrainConfig:
             parse_schedule(self.schedule, seed=self.seed, total_updates=self.updates)
         except InputError as err:
             raise InputError(f"train.schedule: {err}") from None
+        if self.eval_every < 0:
+            raise InputError(f"train.eval_every must be >= 0 (0: off), got {self.eval_every}")
+        if self.eval_every % self.log_every:
+            raise InputError(
+                f"train.eval_every={self.eval_every} must be a multiple of train.log_every={self.log_every} "
+                "(the validation NLL goes on the metrics line of its update)"
+            )
+        deepest = max(self.eval_depth_list)
+        if deepest > MAX_SERVING_DEPTH:
+            raise InputError(
+                f"train.eval_depths {self.eval_depths!r}: depth {deepest} is above the maximum {MAX_SERVING_DEPTH}"
+            )
+
+    @property
+    def eval_depth_list(self) -> tuple[int, ...]:
+        """`eval_depths` as sorted distinct depths."""
+        return parse_serving_depths(self.eval_depths, "train.eval_depths", limit=None)
 
 
 @dataclass(frozen=True)
@@ -191,13 +219,38 @@ class MonitorConfig:
         return self.every > 0
 
 
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Where the metrics lines go besides RUN/metrics.jsonl (rank 0; trainer/sinks.py): the same
+    scalars, for watching a run live. Both are optional extras and off by default."""
+
+    tensorboard: bool = False
+    """Write TensorBoard event files to RUN/tensorboard (needs the `tensorboard` extra)."""
+    wandb: bool = False
+    """Log to Weights & Biases (needs the `wandb` extra): offline, into RUN/wandb, unless the
+    environment sets WANDB_MODE (e.g. WANDB_MODE=online to upload)."""
+    wandb_project: str = "depthdiag"
+    """The W&B project; the W&B run is named after the run directory."""
+
+    def __post_init__(self) -> None:
+        if not self.wandb_project:
+            raise InputError("logging.wandb_project must not be empty")
+
+
 SECTIONS = {
     "model": ModelConfig,
     "data": DataConfig,
     "optim": OptimConfig,
     "train": TrainConfig,
     "monitor": MonitorConfig,
+    "logging": LoggingConfig,
 }
+
+OPTIONAL_SECTIONS = ("monitor", "logging")
+"""Sections left out of `RunConfig.to_dict` while they equal their defaults."""
+OPTIONAL_KEYS = {"train": ("eval_every", "eval_depths")}
+"""Keys left out of `RunConfig.to_dict` while they equal their defaults: they only observe the
+training, and runs stored before they existed must compare equal to runs without them."""
 
 
 @dataclass(frozen=True)
@@ -212,6 +265,8 @@ class RunConfig:
     """Depth schedule, length, batch shape, checkpoints and snapshots."""
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     """The in-training update diagnostic (off by default)."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """TensorBoard and W&B mirrors of the metrics lines (off by default)."""
 
     def __post_init__(self) -> None:
         if self.train.seq_len > self.model.max_seq_len:
@@ -220,15 +275,22 @@ class RunConfig:
             raise InputError(f"monitor.eval_set='attributes' needs data.source='bios', got {self.data.source!r}")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        """Every section as a dict; [monitor] only when it differs from the default (off), so a
-        run without a monitor stores exactly the config it stored before the monitor existed."""
+        """Every section as a dict; OPTIONAL_SECTIONS and OPTIONAL_KEYS only when they differ from
+        their defaults, so a run that uses none of them stores exactly the config it stored before
+        they existed."""
         values = self.all_sections()
-        if self.monitor == MonitorConfig():
-            del values["monitor"]
+        for name in OPTIONAL_SECTIONS:
+            if getattr(self, name) == SECTIONS[name]():
+                del values[name]
+        for name, keys in OPTIONAL_KEYS.items():
+            default = SECTIONS[name]()
+            for key in keys:
+                if values[name][key] == getattr(default, key):
+                    del values[name][key]
         return values
 
     def all_sections(self) -> dict[str, dict[str, Any]]:
-        """Every section as a dict, [monitor] included even when it is the default."""
+        """Every section as a dict, the optional ones included even when they are the default."""
         return {name: asdict(getattr(self, name)) for name in SECTIONS}
 
     def to_json(self) -> str:

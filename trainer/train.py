@@ -9,6 +9,7 @@ A run directory holds:
 
     config.json                    the run config (JSON)
     metrics.jsonl                  a line per log_every updates and per checkpoint (see `train`)
+    tensorboard/, wandb/           TensorBoard and W&B mirrors of the metrics lines, when [logging] asks
     checkpoints/step_XXXXXX.pt     resumable state after XXXXXX updates; `latest` names the newest
     snapshots/uNNNN_stepXXXXXX.pt  diagnostic inputs NNNN updates after the switch
     monitor.h5                     the in-training update diagnostic, when a monitor is given (diag/monitor.py)
@@ -59,6 +60,8 @@ from trainer.model import IGNORE_INDEX, LoopedTransformer
 from trainer.optim import build_optimizer
 from trainer.rng import set_process_rng_state
 from trainer.schedules import Schedule, parse_schedule
+from trainer.scoring import mean_nll_by_depth
+from trainer.sinks import MetricsSink, build_sinks, check_extras
 
 CHECKPOINT_DIR = "checkpoints"
 SNAPSHOT_DIR = "snapshots"
@@ -234,11 +237,17 @@ def train(
     newest checkpoint in `out_dir` and refuses a config that differs from the stored one.
 
     metrics.jsonl has a line every log_every updates and at every checkpoint: step (0-based
-    index of the update), depth, loss (token-weighted mean over the updates since the
-    previous line), lr, grad_norm (before clipping), tokens and flops (cumulative, this
-    update included), wall_time (seconds since the run began, time between an interruption
-    and its resume and the monitor's checks excluded), and under torchrun rank_depths (the
-    depth every rank used at this update).
+    index of the update), depth (this update's), depth_counts (how many of the updates since
+    the previous line trained at each depth: {"depth": count}, depths ascending), loss
+    (token-weighted mean over those updates), lr, grad_norm (before clipping), tokens and
+    flops (cumulative, this update included), wall_time (seconds since the run began, time
+    between an interruption and its resume, the monitor's checks and the validation
+    excluded), under torchrun rank_depths (the depth every rank used at this update), and
+    with train.eval_every > 0, every eval_every updates and at the last, val_nll_S for each
+    depth S of train.eval_depths: the mean token NLL (nats) of the held-out evaluation set
+    at serving depth S of the model after this update (eval mode, no gradients, fp32, one
+    pass for all depths; rank 0 computes it, and the training is the same to the bit with
+    it on or off). The same scalars go to the sinks [logging] asks for (trainer/sinks.py).
 
     The run directory is exclusive: rank 0 holds its lock (common/lock.py) from before
     anything in it is read until the run ends, and a second `train` into it, fresh or
@@ -247,11 +256,13 @@ def train(
     `monitor` (trainer/hooks.py; rank 0 only) is shown the model and optimizer at the run's
     starting step and after every update; it changes nothing the training computes."""
     run_dir = Path(out_dir)
+    check_extras(config)
     world = init_world(config.train.device)
     try:
         with _run_dir_lock(run_dir, world):
             run = _set_up(config, run_dir, world, resume=resume)
-            final_loss = _train_updates(run, progress=progress, monitor=monitor)
+            sinks = build_sinks(config, run_dir, start=run.start) if world.is_main else []
+            final_loss = _train_updates(run, progress=progress, monitor=monitor, sinks=sinks)
             return _finish(run, final_loss)
     finally:
         shutdown_world(world)
@@ -529,35 +540,52 @@ def _snapshot_steps(schedule: Schedule, config: RunConfig, world: World) -> dict
 
 
 class _MetricsLog:
-    """metrics.jsonl (written by rank 0) and the interval behind its next line: the summed
-    loss and counted targets of the updates since the previous line, on this rank."""
+    """metrics.jsonl (written by rank 0, and passed on to the sinks) and the interval behind
+    its next line: the summed loss and counted targets of the updates since the previous
+    line on this rank, and their depths."""
 
-    def __init__(self, path: Path, world: World, *, last_loss: float):
+    def __init__(self, path: Path, world: World, *, last_loss: float, sinks: list[MetricsSink] = ()):
         self.world = world
         self.last_loss = last_loss
         """The loss of the last line, over all ranks."""
         self.interval_loss = torch.zeros((), dtype=torch.float64, device=world.device)
         self.interval_tokens = torch.zeros((), dtype=torch.float64, device=world.device)
+        self.interval_depths: dict[int, int] = {}
         self.file = path.open("a", encoding="utf-8") if world.is_main else None
+        self.sinks = list(sinks)
 
-    def add(self, loss_sum: torch.Tensor, counted: int) -> None:
-        """Count one update: its summed token loss and its counted targets on this rank."""
+    def add(self, loss_sum: torch.Tensor, counted: int, depth: int) -> None:
+        """Count one update: its summed token loss and its counted targets on this rank, and its depth."""
         self.interval_loss += loss_sum.to(torch.float64)
         self.interval_tokens += counted
+        self.interval_depths[depth] = self.interval_depths.get(depth, 0) + 1
 
-    def write(self, *, step: int, depth: int, lr: float, grad_norm: torch.Tensor, counters: dict[str, float]) -> None:
+    def write(
+        self,
+        *,
+        step: int,
+        depth: int,
+        lr: float,
+        grad_norm: torch.Tensor,
+        counters: dict[str, float],
+        val_nll: dict[int, float] | None = None,
+    ) -> None:
         """Close the interval with a line for update `step` (every rank takes part: the loss
-        is the token-weighted mean over all ranks)."""
+        is the token-weighted mean over all ranks); `val_nll` (rank 0) maps serving depth to
+        the validation NLL after this update."""
         totals = all_reduce_sum(self.world, torch.stack((self.interval_loss, self.interval_tokens)))
         self.last_loss = float(totals[0] / totals[1])
         depths = all_gather_ints(self.world, depth)
+        depth_counts = {str(d): n for d, n in sorted(self.interval_depths.items())}
         self.interval_loss.zero_()
         self.interval_tokens.zero_()
+        self.interval_depths = {}
         if self.file is None:
             return
         record: dict[str, Any] = {
             "step": step,
             "depth": depth,
+            "depth_counts": depth_counts,
             "loss": self.last_loss,
             "lr": lr,
             "grad_norm": float(grad_norm),
@@ -567,12 +595,18 @@ class _MetricsLog:
         }
         if self.world.distributed:
             record["rank_depths"] = depths
+        for serving, nll in (val_nll or {}).items():
+            record[f"val_nll_{serving}"] = nll
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        for sink in self.sinks:
+            sink.write(record)
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 class _DivergenceWatch:
@@ -612,12 +646,38 @@ def _show_monitor(run: _Run, monitor: TrainingMonitor | None, step: int) -> floa
     return time.perf_counter() - began
 
 
-def _train_updates(run: _Run, *, progress: bool, monitor: TrainingMonitor | None = None) -> float:
-    """Take the updates from run.start to train.updates, logging metrics and writing the
-    snapshots and checkpoints due after each (and showing the monitor each state); returns
-    the loss of the last logged interval."""
+def _validation_due(run: _Run, done: int) -> bool:
+    """Whether the validation NLL is computed after `done` updates (always on a metrics line:
+    eval_every is a multiple of log_every, and the last update has a checkpoint's line)."""
+    tc = run.config.train
+    return tc.eval_every > 0 and (done % tc.eval_every == 0 or done == tc.updates)
+
+
+def _validation_nll(run: _Run) -> tuple[dict[int, float] | None, float]:
+    """(serving depth -> mean token NLL of the run's evaluation set, seconds it took) on
+    rank 0; (None, 0) elsewhere. Runs in eval mode without gradients and draws no random
+    numbers, so the training that follows is the same to the bit."""
+    if not run.world.is_main:
+        return None, 0.0
+    began = time.perf_counter()
+    depths = run.config.train.eval_depth_list
+    was_training = run.model.training
+    run.model.eval()
+    try:
+        nll = mean_nll_by_depth(run.model, run.eval_tokens, depths, device=run.world.device)
+    finally:
+        run.model.train(was_training)
+    return dict(zip(depths, nll.tolist())), time.perf_counter() - began
+
+
+def _train_updates(
+    run: _Run, *, progress: bool, monitor: TrainingMonitor | None = None, sinks: list[MetricsSink] = ()
+) -> float:
+    """Take the updates from run.start to train.updates, logging metrics (and the validation
+    NLL when due) and writing the snapshots and checkpoints due after each (and showing the
+    monitor each state); returns the loss of the last logged interval."""
     tc, world = run.config.train, run.world
-    log = _MetricsLog(run.run_dir / "metrics.jsonl", world, last_loss=run.resumed_loss)
+    log = _MetricsLog(run.run_dir / "metrics.jsonl", world, last_loss=run.resumed_loss, sinks=sinks)
     watch = _DivergenceWatch(world)
     bar = progress_bar(tc.updates, f"train {run.run_dir}", "upd", initial=run.start, enabled=progress and world.is_main)
     try:
@@ -640,7 +700,7 @@ def _train_updates(run: _Run, *, progress: bool, monitor: TrainingMonitor | None
             loss_sum, grad_norm = run.update(batch.to(world.device), depth, lr, divisor=count / world.world_size)
 
             watch.observe(step, loss_sum, grad_norm)
-            log.add(loss_sum, local_count)
+            log.add(loss_sum, local_count, depth)
             run.counters["tokens"] += tc.batch_size * tc.seq_len
             run.counters["flops"] += update_flops(run.config.model, depth, batch_size=tc.batch_size, seq_len=tc.seq_len)
             run.counters["wall_time"] = wall_time_before + time.perf_counter() - session_began
@@ -650,7 +710,9 @@ def _train_updates(run: _Run, *, progress: bool, monitor: TrainingMonitor | None
             if done % tc.log_every == 0 or run.boundary_due(done):
                 watch.check(run)
             if done % tc.log_every == 0 or run.checkpoint_due(done):
-                log.write(step=step, depth=depth, lr=lr, grad_norm=grad_norm, counters=run.counters)
+                val_nll, val_seconds = _validation_nll(run) if _validation_due(run, done) else (None, 0.0)
+                session_began += val_seconds  # wall_time counts training alone
+                log.write(step=step, depth=depth, lr=lr, grad_norm=grad_norm, counters=run.counters, val_nll=val_nll)
             bar.set_postfix(depth=depth, loss=f"{log.last_loss:.4f}", refresh=False)  # the last logged interval's
             bar.update(1)
             run.write_boundary(done)
