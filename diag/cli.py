@@ -75,13 +75,9 @@ def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> 
     """`--version`: the installed package's version, read from its metadata (no torch import)."""
     if not value or ctx.resilient_parsing:
         return
-    from importlib import metadata
+    from common.version import package_version
 
-    try:
-        version = metadata.version("depthdiag")
-    except metadata.PackageNotFoundError:
-        version = "unknown (not installed; pip install -e . records it)"
-    click.echo(f"depthdiag {version}")
+    click.echo(f"depthdiag {package_version()}")
     ctx.exit()
 
 

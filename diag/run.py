@@ -37,7 +37,6 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +51,7 @@ from common.depths import MAX_SERVING_DEPTH
 from common.errors import InputError
 from common.lock import exclusive_output
 from common.progress import progress_bar
+from common.version import package_version
 from diag.adapter import AdaptedModel, adapter_config_json, load_adapter
 from diag.engine import DiagnosticOptions, UpdateDiagnostic, bias_correction_message
 from diag.evalset import evaluation_set, resolve_eval_set
@@ -486,13 +486,6 @@ def _git_commit() -> str:
     return result.stdout.strip() if result.returncode == 0 else "unknown"
 
 
-def _version() -> str:
-    try:
-        return metadata.version("depthdiag")
-    except metadata.PackageNotFoundError:
-        return "unknown"
-
-
 def _git_dirty() -> int | str:
     """1 when the source tree has uncommitted changes to tracked files, 0 when not; 'unknown'
     (with the reason) when git cannot tell, e.g. an installed copy outside a checkout."""
@@ -514,7 +507,7 @@ def _git_dirty() -> int | str:
 def provenance() -> dict[str, str | int]:
     """The versions and source state a results file records."""
     return {
-        "depthdiag_version": _version(),
+        "depthdiag_version": package_version(),
         "python_version": platform.python_version(),
         "numpy_version": np.__version__,
         "torch_version": str(torch.__version__),

@@ -6,13 +6,13 @@ as a Dataset over `serving_depth`."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
 import torch
 import xarray as xr
 
+from common.version import package_version
 from trainer.checkpoint import load_snapshot
 from trainer.data import build_source
 from trainer.distributed import resolve_device
@@ -62,7 +62,7 @@ def evaluate_checkpoint(
             "config": snapshot.config.to_json(),
             "eval_sequences": int(snapshot.eval_tokens.shape[0]),
             "torch_version": str(torch.__version__),
-            "package_version": metadata.version("depthdiag"),
+            "package_version": package_version(),
         },
     )
 
