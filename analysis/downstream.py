@@ -219,9 +219,9 @@ def combine_seeds(datasets: list[xr.Dataset], sources: list[Path]) -> xr.Dataset
 def accuracy_bands(ds: xr.Dataset, metric: str = "acc") -> xr.Dataset:
     """`metric` over (task, serving_depth) as `mean`, `lower` and `upper`.
 
-    One model: lower and upper = mean -+ BAND_Z x its lm-eval standard error (a normal 95%
-    interval over the documents: document sampling noise of that model, not seed noise), NaN
-    where lm-eval gave no standard error. Several seeds (a `seed` dimension): the mean over
+    One model: lower and upper = mean -+ BAND_Z x its lm-eval standard error, clipped to [0, 1]
+    (a normal 95% interval over the documents: document sampling noise of that model, not seed
+    noise), NaN where lm-eval gave no standard error. Several seeds (a `seed` dimension): the mean over
     seeds and the range (min to max) across them, as the paper's Figure 3 draws."""
     if metric not in ds.data_vars:
         available = ", ".join(name for name in ds.data_vars if name != "chance" and not name.endswith(STDERR_SUFFIX))
@@ -235,12 +235,17 @@ def accuracy_bands(ds: xr.Dataset, metric: str = "acc") -> xr.Dataset:
         )
     stderr_name = f"{metric}{STDERR_SUFFIX}"
     stderr = ds[stderr_name] if stderr_name in ds.data_vars else xr.full_like(values, np.nan)
+    # A fraction of documents lies in [0, 1]; the normal approximation does not know it.
     return xr.Dataset(
-        {"mean": values, "lower": values - BAND_Z * stderr, "upper": values + BAND_Z * stderr},
+        {
+            "mean": values,
+            "lower": (values - BAND_Z * stderr).clip(min=0.0),
+            "upper": (values + BAND_Z * stderr).clip(max=1.0),
+        },
         attrs={
             "metric": metric,
-            "band": f"{metric} +- 1.96 x lm-eval's {stderr_name} (normal 95% interval over documents; "
-            "one model: no seed noise)",
+            "band": f"{metric} +- 1.96 x lm-eval's {stderr_name}, within [0, 1] (normal 95% interval over "
+            "documents; one model: no seed noise)",
         },
     )
 

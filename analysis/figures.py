@@ -924,5 +924,5 @@ def figure3_downstream(ds: xr.Dataset, *, metric: str = "acc") -> Figure:
             title=f"{task} ({n} documents)",
             ax=ax,
         )
-    fig.suptitle(f"{metric} across serving depths; band: {bands.attrs['band']}", fontsize="medium")
+    fig.suptitle(f"{metric} across serving depths\nband: {bands.attrs['band']}", fontsize="medium")
     return fig

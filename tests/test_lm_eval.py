@@ -240,6 +240,10 @@ def test_accuracy_bands_are_the_normal_95_interval_over_documents():
     assert bands["lower"].values[0] == pytest.approx(0.5 - 1.959964 * 0.1, abs=1e-6)
     assert bands["upper"].values[0] == pytest.approx(0.5 + 1.959964 * 0.1, abs=1e-6)
     assert np.isnan(bands["lower"].values[1]) and bands["mean"].values[1] == 0.75
+    per_depth[1]["t"]["acc_stderr,none"] = 0.3
+    ds = downstream_dataset(per_depth, chance={"t": 0.25}, n_samples={"t": 4}, n_shot={"t": 0}, attrs={})
+    bands = accuracy_bands(ds, "acc").sel(task="t")
+    assert (bands["lower"].values[0], bands["upper"].values[0]) == (0.0, 1.0)
     assert "alias" not in ds and "acc_norm" not in ds
 
 
