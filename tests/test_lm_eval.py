@@ -367,3 +367,53 @@ def test_help_imports_neither_lm_eval_nor_torch():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert result.stdout.strip() == "[]"
+
+
+class Request:
+    """The part of lm-eval's Instance the model reads."""
+
+    def __init__(self, *args):
+        self.args = args
+
+
+def test_rolling_log_likelihood_scores_every_byte_once_with_the_context_that_fits(harness, checkpoint):
+    from diag.lm_harness import DepthdiagLM
+
+    short, long = "a short text", "a longer text that does not fit in one window of sixty-four bytes, so it is cut"
+    model = DepthdiagLM(checkpoint, depths=(1, 3), batch_size=BATCH_SIZE, progress=False)
+    plain = load_snapshot(checkpoint).model().eval()
+
+    def scored(inputs: list[int], targets: list[int], depth: int) -> float:
+        with torch.no_grad():
+            log_probs = plain(torch.tensor([inputs]), depth=depth)[0].log_softmax(-1)
+        return float(log_probs[-len(targets) :].gather(-1, torch.tensor(targets)[:, None]).sum())
+
+    for depth in (3, 1):
+        model.set_depth(depth)
+        got = model.loglikelihood_rolling([Request(short), Request(long)])
+        tokens = list(short.encode())
+        assert got[0] == pytest.approx(scored([ord("\n")] + tokens[:-1], tokens, depth), abs=1e-4)
+        tokens = list(long.encode())
+        assert len(tokens) > MAX_SEQ_LEN
+        first = scored([ord("\n")] + tokens[: MAX_SEQ_LEN - 1], tokens[:MAX_SEQ_LEN], depth)
+        rest = scored(tokens[-MAX_SEQ_LEN - 1 : -1], tokens[MAX_SEQ_LEN:], depth)
+        assert got[1] == pytest.approx(first + rest, abs=1e-4)
+    assert model.forward_passes == 1
+
+
+def test_generation_is_greedy_at_the_depth_and_stops_before_the_stop_string(harness, checkpoint):
+    from diag.lm_harness import DepthdiagLM
+
+    model = DepthdiagLM(checkpoint, depth=2, progress=False)
+    plain = load_snapshot(checkpoint).model().eval()
+    context = "Question: What do bees make?\nAnswer:"
+    tokens = list(context.encode())
+    for _ in range(12):
+        with torch.no_grad():
+            tokens.append(int(plain(torch.tensor([tokens[-MAX_SEQ_LEN:]]), depth=2)[0, -1].argmax()))
+    greedy = bytes(tokens[len(context) :]).decode("utf-8", errors="replace")
+    (text,) = model.generate_until([Request(context, {"until": [], "max_gen_toks": 12})])
+    assert text == greedy
+    stop = greedy[5:7]
+    (text,) = model.generate_until([Request(context, {"until": [stop], "max_gen_toks": 12})])
+    assert text == greedy[: greedy.index(stop)]
