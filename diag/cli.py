@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 
 GRID_FIGURES = ("1", "2", "3-loss", "5", "8")
 """The figures `plot` draws from a collected grid file."""
+DOWNSTREAM_FIGURE = "3-downstream"
+"""The figure `plot` draws from a `depthdiag lm-eval` file."""
 
 
 def _os_error_line(err: OSError) -> str:
@@ -680,7 +682,7 @@ def summarize(
 @click.option(
     "--figure",
     "figure_number",
-    type=click.Choice(["4", "map", "monitor", "curves", *GRID_FIGURES]),
+    type=click.Choice(["4", "map", "monitor", "curves", *GRID_FIGURES, DOWNSTREAM_FIGURE]),
     default="4",
     show_default=True,
     help="Which figure: the paper's Figure 4 (results files); map: which update depth helps which serving "
@@ -690,7 +692,8 @@ def summarize(
     "or from a collected "
     "grid file (depthdiag grid collect): 1 (recall by serving depth at each FLOP budget), 2 (serving NLL "
     "against modeled FLOPs), 3-loss (training-loss trajectories), 5 (peak-normalised recall of fixed "
-    "depths), 8 (NLL by serving depth).",
+    "depths), 8 (NLL by serving depth); or 3-downstream: accuracy by serving depth per task from "
+    "`depthdiag lm-eval` files (several: several seeds, drawn as their mean and range).",
 )
 @click.option(
     "--out",
@@ -718,6 +721,9 @@ def plot(results: tuple[Path, ...], figure_number: str, out: Path, force: bool, 
         return
     if figure_number in GRID_FIGURES:
         _plot_grid(results, figure_number, out, force)
+        return
+    if figure_number == DOWNSTREAM_FIGURE:
+        _plot_downstream(results, out, force)
         return
     monitor = _monitor_file(results)
     if (monitor is not None) != (figure_number == "monitor"):
@@ -1228,6 +1234,115 @@ def prepare(
         f"train {meta['tokens']['train']:,} tokens ({meta['documents']['train']:,} documents), "
         f"val {meta['tokens']['val']:,} tokens ({meta['documents']['val']:,} documents)"
     )
+
+
+# --- lm-eval ---------------------------------------------------------------------------------
+
+
+@main.command("lm-eval")
+@click.argument("checkpoint", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--tasks",
+    required=True,
+    help="lm-evaluation-harness task, group or tag names separated by commas, e.g. hellaswag,piqa,arc_easy.",
+)
+@serving_option
+@max_depth_option
+@click.option(
+    "--include-path",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="A folder of task YAML files to use besides lm-eval's own (its --include_path).",
+)
+@click.option(
+    "--limit",
+    type=float,
+    default=None,
+    help="Evaluate only the first N documents of each task (or a fraction of each, below 1) [default: all].",
+)
+@click.option(
+    "--num-fewshot",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Few-shot examples per prompt [default: each task's own, 0 for hellaswag, piqa, arc_easy].",
+)
+@click.option(
+    "--tokenizer",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="A Hugging Face tokenizers file to use instead of the checkpoint's own (bytes for 'text' data, "
+    "the data folder's meta.json tokenizer for 'bin').",
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    required=True,
+    help="The results file (xarray/HDF5): every metric over task x serving depth.",
+)
+@click.option("--force", is_flag=True, help="Overwrite an existing --out file.")
+@eval_batch_size_option("--batch-size")
+@device_option
+@no_progress_option
+@reports_errors
+def lm_eval_run(
+    checkpoint: Path,
+    tasks: str,
+    serving: str,
+    max_depth: int,
+    include_path: Path | None,
+    limit: float | None,
+    num_fewshot: int | None,
+    tokenizer: Path | None,
+    out: Path,
+    force: bool,
+    batch_size: int,
+    device: str,
+    no_progress: bool,
+) -> None:
+    """Downstream accuracy of CHECKPOINT (a checkpoint or snapshot) on lm-evaluation-harness
+    tasks at every --serving depth, into one file (draw it with `plot --figure 3-downstream`).
+    Needs the eval extra: pip install -e .[eval].
+
+    \b
+    Every request is scored at all serving depths from one pass of the deepest, so depths
+    1-16 cost about one evaluation at depth 16 (generation tasks decode once per depth).
+    Example (the paper's Figure 3, bottom row):
+      depthdiag lm-eval runs/x/checkpoints/latest.pt --tasks hellaswag,piqa,arc_easy \\
+        --serving 1-16 --out results/x-downstream.h5
+    """
+    from analysis.downstream import format_downstream
+    from analysis.store import write_results
+    from common.depths import parse_serving_depths
+    from common.lock import refuse_existing
+    from diag.downstream import DownstreamConfig, evaluate_downstream, parse_tasks, require_harness
+
+    require_harness()
+    config = DownstreamConfig(
+        checkpoint=checkpoint,
+        tasks=parse_tasks(tasks),
+        serving_depths=parse_serving_depths(serving, limit=max_depth),
+        include_path=include_path,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        tokenizer=tokenizer,
+        batch_size=batch_size,
+        device=device,
+        progress=not no_progress,
+    )
+    refuse_existing([out], force=force)
+    ds = evaluate_downstream(config)
+    click.echo(format_downstream(ds))
+    click.echo(f"wrote {write_results(ds, out, force=force)}")
+
+
+def _plot_downstream(results: tuple[Path, ...], out: Path, force: bool) -> None:
+    from analysis.downstream import open_downstream
+    from analysis.figures import figure3_downstream, save_figure
+
+    with naming_files(results):
+        fig = figure3_downstream(open_downstream(results))
+    for path in save_figure(fig, out, force=force):
+        click.echo(f"wrote {path}")
 
 
 if __name__ == "__main__":
