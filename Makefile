@@ -244,7 +244,13 @@ $(FINISHING)/comparison.md: $(FINISHING)/grid.h5 $(ANALYSIS_SOURCES)
 
 finishing-phase: $(FINISHING)/comparison.md
 
-test: $(VENV)/.installed
+# The tests cover the lm-evaluation-harness wrapper too, so they install the eval extra
+# (lm_eval and what it needs); the pipeline targets do without it.
+$(VENV)/.installed-eval: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e ".[dev,eval]"
+	touch $@
+
+test: $(VENV)/.installed-eval
 	$(PY) -m pytest -q
 
 # Formatting and lint rules: pyproject.toml [tool.ruff]. `ruff format .` applies the format.
@@ -252,7 +258,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 
-test-slow: $(VENV)/.installed
+test-slow: $(VENV)/.installed-eval
 	$(PY) -m pytest -q -m slow
 
 bench: $(VENV)/.installed
