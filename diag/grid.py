@@ -640,7 +640,7 @@ def collect_grid(
     import datetime
 
     from analysis.grid import grid_dataset
-    from diag.run import _git_commit, _version
+    from diag.run import provenance
     from trainer.data import build_source
 
     runs = Path(runs)
@@ -673,8 +673,7 @@ def collect_grid(
         "base_config": cells[0].config.to_json(),
         "budget_match": spec.budget.match if spec.budget else "updates",
         "budget_reference": spec.budget.reference if spec.budget else "",
-        "depthdiag_version": _version(),
-        "git_commit": _git_commit(),
+        **provenance(),
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     data = cells[0].config.data

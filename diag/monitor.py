@@ -209,7 +209,7 @@ class UpdateMonitor:
 
     def file_attrs(self) -> dict:
         """The file's attributes: the run, the monitor's settings and the versions."""
-        from diag.run import _git_commit, _version
+        from diag.run import provenance
 
         cfg, mc = self.config, self.config.monitor
         switch = self.schedule.switch_step
@@ -231,9 +231,7 @@ class UpdateMonitor:
                 "batch i of the check after step updates: source.batch(seeded_generator(train.seed, step, "
                 f"{MONITOR_SALT:#x}).integers(2**63), i, train.batch_size, train.seq_len)"
             ),
-            "depthdiag_version": _version(),
-            "torch_version": str(torch.__version__),
-            "git_commit": _git_commit(),
+            **provenance(),
         }
 
     def _write(self) -> None:
