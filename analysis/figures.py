@@ -947,6 +947,7 @@ def curves_figure(ds: xr.Dataset, *, window: int | None = None) -> Figure:
     if validated:
         plot_validation_nll(ds, switch_step=switch, ax=axes[1])
     fig.suptitle(f"training curves: {ds.attrs.get('source', '')}", fontsize="medium")
+    return fig
 
 
 # --- downstream evaluation (depthdiag lm-eval) --------------------------------------------------

@@ -517,9 +517,10 @@ def provenance() -> dict[str, str | int]:
 
 
 def _run_seed(entries: list[_Entry]) -> int | None:
-    """The training seed every snapshot's run shares (None when they differ)."""
-    seeds = {json.loads(e.config_json)["train"]["seed"] for e in entries}
-    return int(seeds.pop()) if len(seeds) == 1 else None
+    """The training seed every snapshot's run shares (None when they differ, or for a model
+    from an adapter, whose config records no training run)."""
+    seeds = {json.loads(e.config_json).get("train", {}).get("seed") for e in entries}
+    return int(seeds.pop()) if len(seeds) == 1 and None not in seeds else None
 
 
 def _assemble(config: DiagnoseConfig, entries: list[_Entry], manifest: dict, parts: Path) -> xr.Dataset:
