@@ -132,17 +132,6 @@ def is_downstream_dataset(ds: xr.Dataset) -> bool:
     return ds.attrs.get("kind") == KIND
 
 
-def is_downstream_file(path: str | os.PathLike) -> bool:
-    """Whether `path` is a readable downstream-evaluation file (False for anything else)."""
-    from analysis.store import ENGINE
-
-    try:
-        with xr.open_dataset(path, engine=ENGINE) as ds:
-            return is_downstream_dataset(ds)
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-
-
 def validate_downstream(ds: xr.Dataset, source) -> None:
     """Raise InputError("SOURCE: problem") unless `ds` follows the downstream schema."""
     if not is_downstream_dataset(ds):

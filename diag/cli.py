@@ -1311,9 +1311,9 @@ def lm_eval_run(
         --serving 1-16 --out results/x-downstream.h5
     """
     from analysis.downstream import format_downstream
-    from analysis.store import write_results
+    from analysis.store import write_dataset
     from common.depths import parse_serving_depths
-    from common.lock import refuse_existing
+    from common.lock import claimed_outputs, refuse_existing
     from diag.downstream import DownstreamConfig, evaluate_downstream, parse_tasks, require_harness
 
     require_harness()
@@ -1330,9 +1330,13 @@ def lm_eval_run(
         progress=not no_progress,
     )
     refuse_existing([out], force=force)
-    ds = evaluate_downstream(config)
-    click.echo(format_downstream(ds))
-    click.echo(f"wrote {write_results(ds, out, force=force)}")
+    # The lock is held over the whole evaluation: a second writer of --out is refused at once,
+    # not after hours of evaluating.
+    with claimed_outputs([out], force=force):
+        ds = evaluate_downstream(config)
+        click.echo(format_downstream(ds))
+        write_dataset(ds, out)
+    click.echo(f"wrote {out}")
 
 
 def _plot_downstream(results: tuple[Path, ...], out: Path, force: bool) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 import random
 import sys
@@ -32,9 +31,8 @@ import xarray as xr
 from analysis.downstream import downstream_dataset
 from common.errors import EXIT_BAD_INPUT, InputError
 from common.progress import progress_bar
+from common.version import package_version
 from trainer.distributed import resolve_device
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -208,7 +206,7 @@ def evaluate_downstream(config: DownstreamConfig) -> xr.Dataset:
             {key: str(value) for key, value in dataclasses.asdict(config).items() if key != "progress"}, sort_keys=True
         ),
         "torch_version": str(torch.__version__),
-        "package_version": metadata.version("depthdiag"),
+        "depthdiag_version": package_version(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     n_samples = {task: int(count.get("effective", 0)) for task, count in first.get("n-samples", {}).items()}

@@ -44,7 +44,7 @@ from common.benefit import benefit_description
 from common.choices import ISOLATE_CHOICES, PRECISION_CHOICES, RMS_MATCH_CHOICES
 from common.errors import InputError
 from diag.optim_step import OptimizerStep, optimizer_step
-from trainer.model import IGNORE_INDEX
+from trainer.model import IGNORE_INDEX, LoopedTransformer
 from trainer.scoring import chunk_counts, mean_nll_by_depth, output_logits
 
 
@@ -331,7 +331,11 @@ class UpdateDiagnostic:
         """The last dimension of the model's logits, from one forward of token id 0 at the
         shallowest serving depth: known before any token reaches the embedding, so a foreign
         vocabulary is named instead of failing as an index error deep in the model. The input
-        has an evaluation chunk's shape, which compiled blocks have a graph for anyway."""
+        has an evaluation chunk's shape, which compiled blocks have a graph for anyway. A
+        LoopedTransformer's width is its config's vocab_size, known without the forward, which
+        would otherwise cost every monitor check one more evaluation chunk."""
+        if isinstance(self.model, LoopedTransformer):
+            return self.model.config.vocab_size
         rows = min(self.options.eval_batch_size, self.eval_tokens.shape[0])
         probe = torch.zeros(rows, self.eval_tokens.shape[1] - 1, dtype=torch.long, device=self.device)
         depth = min(self.options.serving_depths)

@@ -2,7 +2,8 @@
 
 - `data.source = 'text'`: UTF-8 bytes, tokens 0..255 (trainer/data.py);
 - `data.source = 'bin'`: the Hugging Face `tokenizers` file that the data folder's meta.json
-  names (key "tokenizer", a file name relative to the folder; optional "eot_token_id");
+  names (key "tokenizer", a file name relative to the folder; its end-of-text id "eot_id",
+  as `depthdiag prepare` writes them);
 - a tokenizer file given explicitly, over either;
 - bioS checkpoints have a synthetic vocabulary with no text form: an error.
 
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from common.errors import InputError
 from trainer.config import RunConfig
+from trainer.prepare import EOT, load_tokenizer
 
 
 def eval_extra_missing(package: str) -> InputError:
@@ -42,25 +44,17 @@ class ByteTokenizer:
 
 
 class FileTokenizer:
-    """A Hugging Face `tokenizers` tokenizer file (tokenizer.json), encoding without special tokens
-    as the token files of a `bin` data folder are written."""
-
-    END_OF_TEXT = "<|endoftext|>"
+    """A Hugging Face `tokenizers` tokenizer file (tokenizer.json), encoding as `depthdiag prepare`
+    writes the token files of a `bin` data folder: no special tokens added, and text that spells
+    one out encoded as ordinary text."""
 
     def __init__(self, path: Path, eot_token_id: int | None = None):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise eval_extra_missing("tokenizers") from None
-        try:
-            self._tokenizer = Tokenizer.from_file(str(path))
-        except Exception as err:  # the Rust side raises plain Exceptions for unreadable files
-            reason = " ".join(str(err).split())[:200] or type(err).__name__
-            raise InputError(f"{path}: not a readable tokenizers file ({reason})") from None
+        self._tokenizer = load_tokenizer(path)
+        self._tokenizer.encode_special_tokens = True
         self.name = str(path)
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         if eot_token_id is None:
-            eot_token_id = self._tokenizer.token_to_id(self.END_OF_TEXT)
+            eot_token_id = self._tokenizer.token_to_id(EOT)
         if eot_token_id is None:
             eot_token_id = self.encode("\n")[0]
         self.prefix_token_id = int(eot_token_id)
@@ -108,9 +102,9 @@ def _bin_tokenizer(folder: Path, source: Path) -> FileTokenizer:
     name = record.get("tokenizer") if isinstance(record, dict) else None
     if not isinstance(name, str) or not name:
         raise InputError(f"{meta}: names no tokenizer file (key 'tokenizer'); pass tokenizer=PATH (--tokenizer)")
-    eot = record.get("eot_token_id")
+    eot = record.get("eot_id")
     if eot is not None and (isinstance(eot, bool) or not isinstance(eot, int)):
-        raise InputError(f"{meta}: eot_token_id must be an integer, got {eot!r}")
+        raise InputError(f"{meta}: eot_id must be an integer, got {eot!r}")
     path = folder / name
     if not path.is_file():
         raise InputError(f"{path}: no such tokenizer file (named by {meta}); pass tokenizer=PATH (--tokenizer)")

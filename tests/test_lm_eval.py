@@ -321,31 +321,36 @@ def test_a_bios_checkpoint_has_no_text_tokenizer(tmp_path):
 
 
 def test_a_bin_checkpoint_reads_the_tokenizer_its_meta_json_names(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
     from common.errors import InputError
     from diag.text_tokens import resolve_tokenizer
+    from trainer.prepare import PrepareConfig, load_tokenizer, prepare
 
-    words = ["[UNK]", "<|endoftext|>", "the", "cat", "sat", "\n"]
-    tokenizer = tokenizers.Tokenizer(
-        tokenizers.models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="[UNK]")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"the cat {i} sat on the mat of dog {i}\n\n" for i in range(40)), encoding="utf-8")
+    data = tmp_path / "data"
+    # An end-of-text token of its own: the loader must take the id prepare recorded, not a default.
+    prepare(
+        PrepareConfig(inputs=(str(corpus),), out=data, vocab_size=300, eot="</s>", val_fraction=0.3), progress=False
     )
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "meta.json").write_text(json.dumps({"vocab_size": 8, "tokenizer": "tokenizer.json"}))
+    meta = json.loads((data / "meta.json").read_text())
+    written = load_tokenizer(data / "tokenizer.json")
 
     def config(vocab_size: int) -> RunConfig:
-        return RunConfig.from_dict(
-            {"model": {"vocab_size": vocab_size}, "data": {"source": "bin", "path": str(tmp_path)}}
-        )
+        return RunConfig.from_dict({"model": {"vocab_size": vocab_size}, "data": {"source": "bin", "path": str(data)}})
 
-    loaded = resolve_tokenizer(config(8), None, tmp_path / "ckpt.pt")
-    assert loaded.encode("the cat sat") == [2, 3, 4] and loaded.prefix_token_id == 1
-    with pytest.raises(InputError, match="more than the model's vocab_size 4"):
-        resolve_tokenizer(config(4), None, tmp_path / "ckpt.pt")
-    (tmp_path / "meta.json").write_text(json.dumps({"vocab_size": 8}))
+    loaded = resolve_tokenizer(config(meta["vocab_size"]), None, tmp_path / "ckpt.pt")
+    assert loaded.prefix_token_id == meta["eot_id"] == written.token_to_id("</s>")
+    text = "the dog sat on the cat"
+    assert loaded.encode(text) == written.encode(text, add_special_tokens=False).ids
+    # As in the token files, text that spells out the end-of-text token is ordinary text.
+    assert meta["eot_id"] not in loaded.encode("a </s> b")
+    with pytest.raises(InputError, match=f"more than the model's vocab_size {meta['vocab_size'] - 1}"):
+        resolve_tokenizer(config(meta["vocab_size"] - 1), None, tmp_path / "ckpt.pt")
+    (data / "meta.json").write_text(json.dumps({"vocab_size": meta["vocab_size"]}))
     with pytest.raises(InputError, match="names no tokenizer file"):
-        resolve_tokenizer(config(8), None, tmp_path / "ckpt.pt")
-    assert resolve_tokenizer(config(8), tmp_path / "tokenizer.json", tmp_path / "ckpt.pt").encode("cat") == [3]
+        resolve_tokenizer(config(meta["vocab_size"]), None, tmp_path / "ckpt.pt")
+    override = resolve_tokenizer(config(meta["vocab_size"]), data / "tokenizer.json", tmp_path / "ckpt.pt")
+    assert override.encode(text) == loaded.encode(text)
 
 
 def test_without_the_eval_extra_the_command_says_how_to_install_it(monkeypatch, tmp_path):

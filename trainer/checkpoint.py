@@ -12,7 +12,6 @@ half-written file under the final name.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import math
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 
 from common.atomic import atomic_output
+from common.digest import file_sha256
 from common.errors import InputError
 from trainer.config import RunConfig
 from trainer.model import LoopedTransformer
@@ -215,15 +215,6 @@ class Snapshot:
         for group in optimizer.param_groups:
             group["lr"] = self.lr
         return optimizer
-
-
-def file_sha256(path: Path) -> str:
-    """The SHA-256 of a file's bytes, hex (what a loaded snapshot's `sha256` holds)."""
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _one_line(err: BaseException) -> str:

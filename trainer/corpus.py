@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.atomic import atomic_output, atomic_write_text
+from common.digest import file_sha256
 from common.errors import InputError
 
 HELD_OUT_FRACTION = 0.1
@@ -122,17 +123,9 @@ CORPORA: dict[str, CorpusSpec] = {
 }
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def verify_sha256(path: Path, expected: str, what: str, name: Path | None = None) -> None:
     """InputError naming `name` (default `path`) unless the sha256 of `path` is `expected`."""
-    actual = sha256_of(path)
+    actual = file_sha256(path)
     if actual != expected:
         raise InputError(
             f"{name or path}: sha256 {actual} does not match the pinned {expected} ({what}); "

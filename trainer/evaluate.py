@@ -62,7 +62,7 @@ def evaluate_checkpoint(
             "config": snapshot.config.to_json(),
             "eval_sequences": int(snapshot.eval_tokens.shape[0]),
             "torch_version": str(torch.__version__),
-            "package_version": package_version(),
+            "depthdiag_version": package_version(),
         },
     )
 

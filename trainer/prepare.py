@@ -54,16 +54,16 @@ import glob
 import hashlib
 import json
 import os
-import re
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
+from common.atomic import atomic_directory
 from common.choices import DOCUMENT_CHOICES
+from common.digest import file_sha256
 from common.errors import InputError
 from common.lock import claimed_outputs, refuse_existing
 from common.progress import progress_bar
@@ -388,42 +388,6 @@ def _encode(corpus: Corpus, tokenizer, eot_id: int, dtype: str, folder: Path) ->
     return counts
 
 
-_PARTIAL = r"[a-z0-9_]{8}\.partial"
-"""tempfile's eight random characters, then our suffix: a folder being built or replaced."""
-
-
-def _partial_folder(out: Path) -> Path:
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-
-
-def _remove_stale_partials(out: Path) -> None:
-    """Remove the folders a killed prepare of `out` left beside it (we hold out's lock)."""
-    pattern = re.escape(f".{out.name}.") + _PARTIAL
-    for name in sorted(os.listdir(out.parent)):
-        if re.fullmatch(pattern, name):
-            shutil.rmtree(out.parent / name, ignore_errors=True)
-
-
-def _fsync_folder(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _publish(folder: Path, out: Path) -> None:
-    """Move the finished `folder` to `out`, replacing an existing `out`."""
-    if out.exists():
-        old = _partial_folder(out)
-        os.replace(out, old)  # onto the empty folder mkdtemp made
-        os.replace(folder, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(folder, out)
-    _fsync_folder(out.parent)
-
-
 def prepare(config: PrepareConfig, *, progress: bool = True) -> PrepareSummary:
     """Build config.out from config.inputs (see the module docstring)."""
     out = config.out
@@ -439,35 +403,27 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> PrepareSummary:
                 f"{config.tokenizer}: has no {config.eot!r} token to end documents with; "
                 "name its end-of-text token with --eot"
             )
-    with claimed_outputs([out], force=config.force):
-        _remove_stale_partials(out)
-        folder = _partial_folder(out)
-        try:
-            corpus = Corpus(files, config, progress)
-            if tokenizer is None:
-                tokenizer = train_tokenizer(corpus, config.vocab_size, config.eot)
-                tokenizer.save(str(folder / "tokenizer.json"))
-            else:
-                shutil.copyfile(config.tokenizer, folder / "tokenizer.json")
-            eot_id = tokenizer.token_to_id(config.eot)
-            dtype = _dtype(tokenizer.get_vocab_size(with_added_tokens=True))
-            counts = _encode(corpus, tokenizer, eot_id, dtype, folder)
-            for split in ("train", "val"):
-                if counts["tokens"][split] < 2:
-                    raise InputError(
-                        f"{' '.join(config.inputs)}: {counts['documents'][split]} documents fell in the {split} "
-                        "split, and the bin source needs at least 2 tokens in each; give more text or change "
-                        "--val-fraction"
-                    )
-            meta = _meta(config, files, corpus, tokenizer, eot_id, dtype, counts, folder)
-            (folder / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
-            for name in ("tokenizer.json", "meta.json"):
-                with open(folder / name, "rb") as handle:
-                    os.fsync(handle.fileno())
-            os.chmod(folder, 0o777 & ~_umask())
-            _publish(folder, out)
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
+    # The lock clears what a killed prepare left beside `out`; the folder is built beside it and
+    # takes its place complete, or not at all.
+    with claimed_outputs([out], force=config.force), atomic_directory(out) as folder:
+        corpus = Corpus(files, config, progress)
+        if tokenizer is None:
+            tokenizer = train_tokenizer(corpus, config.vocab_size, config.eot)
+            tokenizer.save(str(folder / "tokenizer.json"))
+        else:
+            shutil.copyfile(config.tokenizer, folder / "tokenizer.json")
+        eot_id = tokenizer.token_to_id(config.eot)
+        dtype = _dtype(tokenizer.get_vocab_size(with_added_tokens=True))
+        counts = _encode(corpus, tokenizer, eot_id, dtype, folder)
+        for split in ("train", "val"):
+            if counts["tokens"][split] < 2:
+                raise InputError(
+                    f"{' '.join(config.inputs)}: {counts['documents'][split]} documents fell in the {split} "
+                    "split, and the bin source needs at least 2 tokens in each; give more text or change "
+                    "--val-fraction"
+                )
+        meta = _meta(config, files, corpus, tokenizer, eot_id, dtype, counts, folder)
+        (folder / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
     return PrepareSummary(out=out, meta=meta)
 
 
@@ -491,7 +447,7 @@ def _meta(config: PrepareConfig, files, corpus: Corpus, tokenizer, eot_id: int, 
         "max_token_id": counts["max_token_id"],
         "dtype": dtype,
         "tokenizer": "tokenizer.json",
-        "tokenizer_sha256": _file_sha256(folder / "tokenizer.json"),
+        "tokenizer_sha256": file_sha256(folder / "tokenizer.json"),
         "tokenizers_version": tokenizers.__version__,
         "tokenizer_training": training,
         "eot_token": config.eot,
@@ -512,17 +468,3 @@ def _meta(config: PrepareConfig, files, corpus: Corpus, tokenizer, eot_id: int, 
             if key not in ("out", "force")
         },
     }
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()

@@ -262,7 +262,11 @@ def train(
         with _run_dir_lock(run_dir, world):
             run = _set_up(config, run_dir, world, resume=resume)
             sinks = build_sinks(config, run_dir, start=run.start) if world.is_main else []
-            final_loss = _train_updates(run, progress=progress, monitor=monitor, sinks=sinks)
+            try:
+                final_loss = _train_updates(run, progress=progress, monitor=monitor, sinks=sinks)
+            finally:
+                for sink in sinks:
+                    sink.close()
             return _finish(run, final_loss)
     finally:
         shutdown_world(world)
@@ -605,8 +609,6 @@ class _MetricsLog:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
-        for sink in self.sinks:
-            sink.close()
 
 
 class _DivergenceWatch:
