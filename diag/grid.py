@@ -530,24 +530,12 @@ EVAL_CACHE = "grid-eval.h5"
 
 def _metrics(run_dir: Path) -> tuple[list[int], list[float], list[int]]:
     """(step, loss, updates covered) of every line of the run's metrics.jsonl."""
-    steps, losses, covered = [], [], []
-    path = run_dir / "metrics.jsonl"
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as err:
-        raise InputError(f"{path}: cannot read ({err.strerror or err})") from None
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-            step, loss = int(record["step"]), float(record["loss"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            raise InputError(f"{path}: line {number} is not a metrics line") from None
-        covered.append(step - (steps[-1] if steps else -1))
-        steps.append(step)
-        losses.append(loss)
-    if not steps or min(covered) < 1:
-        raise InputError(f"{path}: no metrics lines, or steps out of order")
-    return steps, losses, covered
+    from analysis.training import read_metrics
+
+    metrics = read_metrics(run_dir)
+    updates = metrics["updates"].values.tolist()
+    covered = [done - before for before, done in zip([0, *updates], updates)]
+    return [done - 1 for done in updates], metrics["loss"].values.tolist(), covered
 
 
 def _evaluation(checkpoint: Path, run_dir: Path, serving: tuple[int, ...], *, device: str, progress: bool):

@@ -472,32 +472,26 @@ def _evaluation_set(config: DiagnoseConfig, snap: Snapshot) -> tuple[torch.Tenso
     return evaluation_set(config.eval_set, snap.config, snap.eval_tokens)
 
 
-def _git_commit() -> str:
+def _git(*args: str) -> subprocess.CompletedProcess | None:
+    """`git ARGS` run in this source tree; None when git cannot be run at all."""
     try:
-        result = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
+        return subprocess.run(
+            ["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10
         )
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return result.stdout.strip() if result.returncode == 0 else "unknown"
+        return None
+
+
+def _git_commit() -> str:
+    result = _git("rev-parse", "HEAD")
+    return result.stdout.strip() if result is not None and result.returncode == 0 else "unknown"
 
 
 def _git_dirty() -> int | str:
     """1 when the source tree has uncommitted changes to tracked files, 0 when not; 'unknown'
     (with the reason) when git cannot tell, e.g. an installed copy outside a checkout."""
-    try:
-        result = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
+    result = _git("status", "--porcelain", "--untracked-files=no")
+    if result is None:
         return "unknown (no git)"
     if result.returncode != 0:
         return "unknown (not a git checkout)"
