@@ -15,7 +15,8 @@ UPDATES = 30
 LOSS_TOLERANCE = 0.01
 """Largest relative difference of any logged loss from the fp32 eager run's, over 30 updates.
 bf16 rounds every matmul input to 8 bits of mantissa, so the trajectories drift apart slowly;
-measured on this config: 6e-4 (bf16) and 2e-7 (compiled fp32, other fusion and rounding)."""
+measured on this config: 1.0e-3 (bf16), 1.6e-7 (compiled fp32, other fusion and rounding) and
+1.5e-3 (compiled bf16, the tiny config's default)."""
 
 
 def losses(config, run_dir) -> np.ndarray:
@@ -32,7 +33,9 @@ def plain(tmp_path_factory):
     return directory, losses(config, directory / "run")
 
 
-@pytest.mark.parametrize("setting", [{"precision": "bf16"}, {"compile": True}])
+@pytest.mark.parametrize(
+    "setting", [{"precision": "bf16"}, {"compile": True}, {"precision": "bf16", "compile": True}], ids=str
+)
 def test_fast_path_follows_the_plain_loss_trajectory(plain, tmp_path, setting):
     directory, reference = plain
     config = tiny_config(

@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from trainer.model import LoopedTransformer, ModelConfig
+from trainer.model import EXPLICIT_ATTENTION_MAX_LEN, LoopedTransformer, ModelConfig, _cpu_low_precision_attention
 
 SMALL = dict(vocab_size=40, max_seq_len=16, d_model=32, n_heads=2, n_prelude=1, n_core=2, n_coda=1)
 
@@ -178,9 +178,30 @@ def test_rotary_is_the_pairwise_rotation_to_the_bit():
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
 
 
-def test_attention_runs_in_fp32_under_cpu_bf16_autocast(monkeypatch):
-    import torch.nn.functional as F
+@pytest.mark.parametrize("T", [EXPLICIT_ATTENTION_MAX_LEN, EXPLICIT_ATTENTION_MAX_LEN + 1])
+def test_cpu_bf16_attention_is_causal_attention_to_bf16_rounding(T):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, T, 8).bfloat16().requires_grad_() for _ in range(3))
+    reference_inputs = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    reference = F.scaled_dot_product_attention(*reference_inputs, is_causal=True)
+    got = _cpu_low_precision_attention(q, k, v)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), reference, rtol=0, atol=2e-2)
+    grad = torch.randn_like(reference)
+    got_grads = torch.autograd.grad(got, (q, k, v), grad.bfloat16())
+    reference_grads = torch.autograd.grad(reference, reference_inputs, grad)
+    for g, r in zip(got_grads, reference_grads):
+        torch.testing.assert_close(g.float(), r, rtol=0, atol=5e-2)
+    # Causal: changing the last position's keys and values leaves every earlier output as it was.
+    k2, v2 = k.detach().clone(), v.detach().clone()
+    k2[..., -1, :], v2[..., -1, :] = 7.0, -7.0
+    changed = _cpu_low_precision_attention(q.detach(), k2, v2)
+    assert torch.equal(changed[..., :-1, :], got.detach()[..., :-1, :])
+    assert not torch.equal(changed[..., -1, :], got.detach()[..., -1, :])
 
+
+@pytest.mark.parametrize("T, fused_calls", [(8, 0), (EXPLICIT_ATTENTION_MAX_LEN + 1, 1 + 2 * 2 + 1)])
+def test_cpu_bf16_attention_calls_the_fused_kernel_in_fp32_only_past_the_explicit_length(monkeypatch, T, fused_calls):
     seen = []
     real = F.scaled_dot_product_attention
 
@@ -189,8 +210,8 @@ def test_attention_runs_in_fp32_under_cpu_bf16_autocast(monkeypatch):
         return real(q, k, v, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    model = LoopedTransformer(ModelConfig(vocab_size=32, max_seq_len=8, d_model=16, n_heads=2))
+    model = LoopedTransformer(ModelConfig(vocab_size=32, max_seq_len=T, d_model=16, n_heads=2))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        model(torch.randint(0, 32, (2, 8)), depth=2)
-    assert len(seen) == 1 + 2 * 2 + 1  # prelude, core x depth, coda: every one of them in fp32
-    assert set(seen) == {(torch.float32,) * 3}
+        model(torch.randint(0, 32, (2, T)), depth=2)
+    assert len(seen) == fused_calls  # prelude, core x depth, coda: all explicit, or all fused in fp32
+    assert set(seen) <= {(torch.float32,) * 3}

@@ -143,10 +143,12 @@ class Interrupt:
         return self.real(*args, **kwargs)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_interrupt_then_resume_is_bit_exact(tmp_path, monkeypatch, precision):
+@pytest.mark.parametrize(
+    "setting", [{"precision": "fp32"}, {"precision": "bf16"}, {"precision": "bf16", "compile": True}], ids=str
+)
+def test_interrupt_then_resume_is_bit_exact(tmp_path, monkeypatch, setting):
     corpus = text_corpus(tmp_path)
-    config = tiny_config(corpus, precision=precision)  # 12 updates, checkpoints every 4
+    config = tiny_config(corpus, **setting)  # 12 updates, checkpoints every 4
     straight = tmp_path / "straight"
     train(config, straight, progress=False)
 
