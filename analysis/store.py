@@ -36,6 +36,7 @@ import xarray as xr
 from common.atomic import atomic_output
 from common.errors import InputError
 from common.lock import claimed_outputs
+from common.observers import without_observer_keys
 
 ENGINE = "h5netcdf"
 COMPRESSION = {"zlib": True, "complevel": 4, "shuffle": True}
@@ -253,7 +254,8 @@ def _first_difference(first, other, path: str = "") -> tuple[str, object, object
 
 
 def _config_without_seed(ds: xr.Dataset):
-    """The run config as a dict with train.seed removed (the one key seeds may differ in), or None."""
+    """The run config as a dict without train.seed (the one key seeds may differ in) and the keys
+    that only observe a run (common/observers.py), or None."""
     text = ds.attrs.get("config")
     if not isinstance(text, str):
         return None
@@ -263,7 +265,7 @@ def _config_without_seed(ds: xr.Dataset):
         return text
     if isinstance(config, dict) and isinstance(config.get("train"), dict):
         config = {**config, "train": {k: v for k, v in config["train"].items() if k != "seed"}}
-    return config
+    return without_observer_keys(config)
 
 
 def batches_per_snapshot(ds: xr.Dataset) -> list[int]:
@@ -277,7 +279,8 @@ def _check_same_experiment(first: xr.Dataset, first_path, other: xr.Dataset, oth
     """Files combined as seeds must differ in the seed only, so that the spread over them is seed noise.
 
     Compared: depths and the uniform-update grid, batches per snapshot, the diagnostic
-    settings (DIAGNOSTIC_SETTINGS) and the run config without train.seed.
+    settings (DIAGNOSTIC_SETTINGS) and the run config without train.seed and the keys that
+    only observe a run (common/observers.py).
     Provenance (creation time, versions, snapshot hashes) may differ.
     """
     if seed_dim in other.dims:

@@ -29,17 +29,22 @@ def render(results: dict) -> str:
             f"| {row['benchmark']} | {row['measured']:.2f}{row['unit']} | {row['target']} | "
             f"{'yes' if row['holds'] else '**no**'} |"
         )
-    settings = train["settings"]
+    settings, one_thread = train["settings"], train.get("settings_one_thread")
     lines += [
         "",
         f"Training settings on the tiny config's depth mix (mean depth {settings['mean_depth']:.1f}), "
-        "updates/s relative to the plain fp32 eager loop, alternated in one run:",
+        "updates/s relative to the plain fp32 eager loop, alternated in one run "
+        f"(default: {settings['default_is']}):",
         "",
-        "| setting | speed-up | warm-up incl. compiling |",
-        "|---|---|---|",
+        f"| setting | speed-up, {train['threads']} threads | warm-up incl. compiling |"
+        + (" speed-up, 1 thread | warm-up, 1 thread |" if one_thread else ""),
+        "|---|---|---|" + ("---|---|" if one_thread else ""),
     ]
     for name, ratio in settings["speedup_vs_plain"].items():
-        lines.append(f"| {name} | {ratio:.2f}x | {settings['warmup_seconds'][name]:.0f} s |")
+        row = f"| {name} | {ratio:.2f}x | {settings['warmup_seconds'][name]:.0f} s |"
+        if one_thread:
+            row += f" {one_thread['speedup_vs_plain'][name]:.2f}x | {one_thread['warmup_seconds'][name]:.0f} s |"
+        lines.append(row)
     peaks = train["matmul_peak_flops"]
     lines += [
         "",

@@ -412,8 +412,8 @@ def cell_state(cell: Cell, runs: Path) -> str:
     that holds a run of another config raises InputError."""
     run_dir = runs / cell.name
     stored = _stored_config(run_dir)
-    if stored is not None and stored.to_dict() != cell.config.to_dict():
-        before, after = stored.all_sections(), cell.config.all_sections()
+    if stored is not None and stored.outcome_sections() != cell.config.outcome_sections():
+        before, after = stored.outcome_sections(), cell.config.outcome_sections()
         changed = [f"{s}.{k}" for s in before for k in before[s] if before[s][k] != after[s][k]]
         raise InputError(
             f"{run_dir}: holds a run of another config ({', '.join(changed)} changed); "

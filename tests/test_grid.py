@@ -227,6 +227,14 @@ def test_a_run_directory_of_another_config_is_refused_before_training(folder):
         run_grid(load_grid(changed), runs, progress=False)
 
 
+def test_a_finished_cell_stays_finished_when_only_keys_that_observe_it_change(folder):
+    grid = write_grid(folder, '[axes]\nschedule = ["fixed:2"]\n')
+    runs = folder / "runs"
+    run_grid(load_grid(grid), runs, progress=False)
+    observed = write_grid(folder, '[set]\n"train.log_every" = 2\n[axes]\nschedule = ["fixed:2"]\n')
+    assert run_grid(load_grid(observed), runs, progress=False).trained == ()
+
+
 def test_a_failing_cell_is_reported_and_the_others_still_train(folder):
     # lr = 1e3 diverges: that cell's train exits 3, the other cell finishes.
     grid = write_grid(folder, '[axes]\n"optim.lr" = [1000.0, 0.003]\n')

@@ -180,6 +180,16 @@ def test_files_differing_only_in_seed_and_provenance_combine(tmp_path):
     np.testing.assert_array_equal(combined["lr"].sel(seed=0).values, [1e-3, 1e-3, 1e-3, 5e-4])
 
 
+def test_files_differing_only_in_keys_that_observe_the_run_combine(tmp_path):
+    observed = json.loads(run_config(1))
+    observed["train"].update(log_every=5, eval_every=20, eval_depths="1-4")
+    observed["logging"] = {"tensorboard": True}
+    base, other = tmp_path / "seed0.h5", tmp_path / "seed1.h5"
+    write_dataset(diagnosed(0), base)
+    write_dataset(diagnosed(1, config=json.dumps(observed)), other)
+    assert list(open_results([base, other])["seed"].values) == [0, 1]
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [

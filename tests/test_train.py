@@ -178,6 +178,30 @@ def test_interrupt_then_resume_is_bit_exact(tmp_path, monkeypatch, setting):
         assert all(torch.equal(v, sb.model_state[k]) for k, v in sa.model_state.items())
 
 
+def test_a_resume_may_change_only_what_observes_the_run_and_trains_the_same_weights(tmp_path, monkeypatch):
+    corpus = text_corpus(tmp_path)
+    config = tiny_config(corpus, snapshot_uniform_updates=[])
+    straight = tmp_path / "straight"
+    train(config, straight, progress=False)
+
+    resumed = tmp_path / "resumed"
+    import trainer.train as train_module
+
+    monkeypatch.setattr(train_module, "update_flops", Interrupt(update_flops, 7))
+    with pytest.raises(KeyboardInterrupt):
+        train(config, resumed, progress=False)
+    monkeypatch.undo()
+    observed = config.with_overrides(["train.log_every=2", "train.eval_every=4", "train.eval_depths='1-2'"])
+    summary = train(observed, resumed, resume=True, progress=False)
+    assert summary.resumed_from == 4
+    assert any("val_nll_2" in r for r in read_metrics(resumed))  # the new evaluation ran
+    a, b = load_snapshot(straight / "checkpoints/step_000012.pt"), load_snapshot(resumed / "checkpoints/step_000012.pt")
+    assert all(torch.equal(tensor, b.model_state[name]) for name, tensor in a.model_state.items())
+    # What changes the training is still refused.
+    with pytest.raises(InputError, match=r"another config \(optim.lr: 0.003 -> 0.001\)"):
+        train(config.with_overrides(["optim.lr=0.001"]), resumed, resume=True, progress=False)
+
+
 def test_resume_inside_a_logging_interval_logs_what_an_uninterrupted_run_logs(tmp_path, monkeypatch):
     config = tiny_config(text_corpus(tmp_path), log_every=3, checkpoint_every=4, snapshot_uniform_updates=[])
     train(config, tmp_path / "straight", progress=False)

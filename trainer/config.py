@@ -26,6 +26,7 @@ from typing import Any
 from common.choices import DEVICE_CHOICES, EVAL_SET_CHOICES, PRECISION_CHOICES
 from common.depths import MAX_SERVING_DEPTH, parse_serving_depths
 from common.errors import InputError
+from common.observers import without_observer_keys
 from trainer.model import ModelConfig
 from trainer.schedules import parse_schedule
 
@@ -294,6 +295,11 @@ class RunConfig:
     def all_sections(self) -> dict[str, dict[str, Any]]:
         """Every section as a dict, the optional ones included even when they are the default."""
         return {name: asdict(getattr(self, name)) for name in SECTIONS}
+
+    def outcome_sections(self) -> dict[str, dict[str, Any]]:
+        """`all_sections` without the keys that only observe the run (common/observers.py):
+        what two configs must share for their runs to be the same training."""
+        return without_observer_keys(self.all_sections())
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)

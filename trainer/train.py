@@ -475,7 +475,8 @@ def _initial_model(config: RunConfig, run_dir: Path, *, resume: bool) -> tuple[L
 
 
 def _config_differences(stored: RunConfig, given: RunConfig) -> list[str]:
-    before, after = stored.all_sections(), given.all_sections()
+    """'section.key: old -> new' for every key that differs, observer-only keys aside."""
+    before, after = stored.outcome_sections(), given.outcome_sections()
     return [
         f"{section}.{key}: {before[section][key]!r} -> {after[section][key]!r}"
         for section in before
