@@ -22,6 +22,7 @@ import statistics
 import tempfile
 import time
 
+import torch
 from bench_train import Trainer, synchronize
 
 from diag.monitor import UpdateMonitor
@@ -31,6 +32,9 @@ from trainer.schedules import parse_schedule
 
 
 def run(config_path: str, overrides: list[str] = (), *, rounds: int = 4, updates: int = 8) -> dict:
+    # Start from no compiled code, as a training process does: the benchmarks before this one
+    # compiled other variants of the same blocks, which count against torch's recompile limit.
+    torch._dynamo.reset()
     config = load_config(config_path, list(overrides))
     if not config.monitor.enabled:
         raise SystemExit(f"{config_path}: monitor.every is 0; benchmark a config with a [monitor] block")

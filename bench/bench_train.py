@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -170,6 +173,19 @@ def fixed_first_saving(config: RunConfig, device: torch.device, updates: int, se
     }
 
 
+def one_thread_settings(config_path: str, overrides: list[str], updates: int, segment: int) -> dict:
+    """`settings_speedup` in a fresh process with OMP_NUM_THREADS=1, as each job of `make
+    figure4` and of the grids runs. A process of its own, because compiled CPU kernels keep
+    the thread count they were compiled under."""
+    command = [sys.executable, __file__, "--config", config_path, "--settings-only"]
+    command += [f"--updates={updates}", f"--segment={segment}"]
+    for override in overrides:
+        command += ["--set", override]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)
+
+
 def run(
     config_path: str, overrides: list[str], *, updates: int = 16, fixed_first_updates: int = 30, segment: int = 4
 ) -> dict:
@@ -180,13 +196,7 @@ def run(
     threads = torch.get_num_threads()
     settings = {threads: settings_speedup(config, device, updates, segment)}
     if device.type == "cpu" and threads > 1:
-        # `make figure4` and the grids run one job per seed or cell with one torch thread
-        # each, where the matmuls' share of a step, and so what bf16 gains, differs.
-        torch.set_num_threads(1)
-        try:
-            settings[1] = settings_speedup(config, device, updates, segment)
-        finally:
-            torch.set_num_threads(threads)
+        settings[1] = one_thread_settings(config_path, overrides, updates, segment)
     return {
         "config": config_path,
         "device": str(device),
@@ -214,7 +224,16 @@ def main() -> None:
         help="Only tokens/s and achieved FLOP/s of the config's own settings against the matmul "
         "peak in its precision (the GPU check's throughput line).",
     )
+    parser.add_argument(
+        "--settings-only",
+        action="store_true",
+        help="Only the settings' updates/s against the plain fp32 eager loop, as JSON.",
+    )
     args = parser.parse_args()
+    if args.settings_only:
+        config = load_config(args.config, args.overrides)
+        print(json.dumps(settings_speedup(config, resolve_device(config.train.device), args.updates, args.segment)))
+        return
     if args.achieved_only:
         config = load_config(args.config, args.overrides)
         device = resolve_device(config.train.device)

@@ -123,8 +123,8 @@ class TrainConfig:
     compile: bool = False
     """torch.compile every transformer block (the loop over depths stays in Python, so no depth
     recompiles; bf16 compiles two graphs, for fp32 and bf16 residual streams). On the tiny CPU
-    config with bf16 and one thread it takes about 1.2x the updates/s of eager bf16 (`make bench`)
-    for 5-15 s of compiling per process, so it pays off for runs of a few hundred updates."""
+    config with bf16 it takes 1.1-1.2x the updates/s of eager bf16 (`make bench`) for 5-15 s of
+    compiling per process, so it pays off for runs of a few hundred updates."""
     device: str = "auto"
     """'auto' (cuda when available), 'cpu' or 'cuda'."""
     log_every: int = 10
