@@ -166,8 +166,9 @@ def _cpu_low_precision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     fp32, so longer sequences run it in fp32. Up to EXPLICIT_ATTENTION_MAX_LEN tokens the
     written-out form is faster still (forward+backward at [32, 4, 64, 32], one thread:
     about 5 ms, against 6 ms for fp32 flash and 18 ms for bf16 flash; at 128 tokens flash
-    wins), and torch.compile fuses its scaling, mask and softmax. The scores and the softmax
-    are fp32; only the two matmuls' inputs are rounded to bf16, as under autocast anywhere."""
+    wins), and torch.compile fuses its scaling, mask and softmax. The softmax runs in fp32, on
+    scores the first matmul returns in bf16; its weights go into the second matmul in bf16,
+    as autocast would round them."""
     T = q.shape[-2]
     if T > EXPLICIT_ATTENTION_MAX_LEN:
         with torch.autocast("cpu", enabled=False):
