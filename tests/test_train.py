@@ -143,22 +143,27 @@ class Interrupt:
         return self.real(*args, **kwargs)
 
 
-@pytest.mark.parametrize(
-    "setting", [{"precision": "fp32"}, {"precision": "bf16"}, {"precision": "bf16", "compile": True}], ids=str
-)
-def test_interrupt_then_resume_is_bit_exact(tmp_path, monkeypatch, setting):
-    corpus = text_corpus(tmp_path)
-    config = tiny_config(corpus, **setting)  # 12 updates, checkpoints every 4
-    straight = tmp_path / "straight"
+def straight_and_killed_runs(config, tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
+    """`config` trained to the end into tmp_path/straight, and into tmp_path/resumed killed in
+    the middle of update 7 (its checkpoint after update 4 kept)."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train(config, straight, progress=False)
-
-    resumed = tmp_path / "resumed"
     import trainer.train as train_module
 
     monkeypatch.setattr(train_module, "update_flops", Interrupt(update_flops, 7))
     with pytest.raises(KeyboardInterrupt):
         train(config, resumed, progress=False)
     monkeypatch.undo()
+    return straight, resumed
+
+
+@pytest.mark.parametrize(
+    "setting", [{"precision": "fp32"}, {"precision": "bf16"}, {"precision": "bf16", "compile": True}], ids=str
+)
+def test_interrupt_then_resume_is_bit_exact(tmp_path, monkeypatch, setting):
+    corpus = text_corpus(tmp_path)
+    config = tiny_config(corpus, **setting)  # 12 updates, checkpoints every 4
+    straight, resumed = straight_and_killed_runs(config, tmp_path, monkeypatch)
     assert latest_checkpoint(resumed).name == "step_000004.pt"  # at most one checkpoint interval lost
     assert not list(resumed.rglob("*.tmp*"))
     summary = train(config, resumed, resume=True, progress=False)
@@ -181,16 +186,7 @@ def test_interrupt_then_resume_is_bit_exact(tmp_path, monkeypatch, setting):
 def test_a_resume_may_change_only_what_observes_the_run_and_trains_the_same_weights(tmp_path, monkeypatch):
     corpus = text_corpus(tmp_path)
     config = tiny_config(corpus, snapshot_uniform_updates=[])
-    straight = tmp_path / "straight"
-    train(config, straight, progress=False)
-
-    resumed = tmp_path / "resumed"
-    import trainer.train as train_module
-
-    monkeypatch.setattr(train_module, "update_flops", Interrupt(update_flops, 7))
-    with pytest.raises(KeyboardInterrupt):
-        train(config, resumed, progress=False)
-    monkeypatch.undo()
+    straight, resumed = straight_and_killed_runs(config, tmp_path, monkeypatch)
     observed = config.with_overrides(["train.log_every=2", "train.eval_every=4", "train.eval_depths='1-2'"])
     summary = train(observed, resumed, resume=True, progress=False)
     assert summary.resumed_from == 4
