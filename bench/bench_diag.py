@@ -1,12 +1,15 @@
 """Diagnose throughput and the cost of one diagnostic unit.
 
+Everything runs on the evaluation set a default `depthdiag diagnose` of the config scores
+(`--eval-set auto`: for bioS, the attribute-value targets only).
+
 1. Units per minute of the default diagnostic (gradient passes in the run's training
-   precision, evaluation as `UpdateDiagnostic.evaluate` does it) against the first
-   version's path (fp32 gradient passes, one update at a time in chunks of 32 rows),
-   alternated in one process. Both give the same NLL within rounding when the
-   precision is the same (tests/test_engine.py checks the evaluation to 1e-6).
-2. Evaluation variants, measured on the same updates: chunk sizes, and both updates
-   stacked under torch.func.vmap.
+   precision, evaluation as `UpdateDiagnostic.evaluate` does it, reading out only the
+   counted tokens) against the first version's path (fp32 gradient passes, one update at
+   a time in chunks of 32 rows, every token read out), alternated in one process. Both
+   give the same NLL within float32 rounding when the precision is the same.
+2. Evaluation variants, measured on the same updates: chunk sizes, both updates stacked
+   under torch.func.vmap, and the first version's readout of every token.
 3. One unit against the sum of its unavoidable parts (two forward+backward passes, one
    all-depth evaluation per update). Contract (DESIGN.md section 8): at most 1.15x.
 4. Peak resident memory of a diagnose process against the size of weights plus
@@ -26,11 +29,13 @@ import time
 
 import numpy as np
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
-from diag.engine import DiagnosticOptions, UpdateDiagnostic
+from diag.engine import DiagnosticOptions, UpdateDiagnostic, _module_mode
+from diag.evalset import evaluation_set, resolve_eval_set
 from trainer.config import RunConfig, load_config
-from trainer.model import LoopedTransformer
+from trainer.model import IGNORE_INDEX, LoopedTransformer
 from trainer.optim import build_optimizer
 from trainer.scoring import NllByDepth
 
@@ -39,18 +44,57 @@ FIRST_VERSION = {"precision": "fp32", "eval_batch_size": 32}
 """The settings of the first version's diagnose on the tiny config."""
 
 
+class EveryTokenReadout(nn.Module):
+    """The first version's evaluation: logits of every token at every depth, then the NLL of
+    the counted targets. Routed like `NllByDepth`, so functional_call can substitute weights."""
+
+    def __init__(self, model: LoopedTransformer):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor, depths: list[int]) -> torch.Tensor:
+        nll = {
+            s: F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+            for s, logits in self.model.logits_by_depth(input_ids, depths)
+        }
+        return torch.stack([nll[s] for s in depths])
+
+
+class FirstVersionDiagnostic(UpdateDiagnostic):
+    """`UpdateDiagnostic` evaluating as the first version did: one update at a time, every token read out."""
+
+    def evaluate(self, update=None) -> np.ndarray:
+        params = dict(self.theta)
+        for name, u in zip(self.stepped, update or []):
+            params[name] = params[name] + u
+        module = EveryTokenReadout(self.model)
+        total = torch.zeros(len(self.options.serving_depths), dtype=torch.float64)
+        size = self.options.eval_batch_size
+        rows = zip(self.eval_tokens.split(size), self.eval_targets.split(size), self._chunk_counts)
+        with torch.no_grad(), _module_mode(self.model, training=False):
+            for tokens, targets, count in rows:
+                routed = {f"model.{name}": value for name, value in self._state(params).items()}
+                nll = torch.func.functional_call(
+                    module, routed, (tokens[:, :-1], targets, list(self.options.serving_depths))
+                )
+                total += nll.double() * count
+        return (total / sum(self._chunk_counts)).numpy()
+
+
 def snapshot_like(config: RunConfig):
-    """A model and optimizer with state (one real step taken), a batch and an evaluation set."""
-    cfg, T, B, E = config.model, config.train.seq_len, config.train.batch_size, config.data.eval_sequences
+    """A model and optimizer with state (one real step taken), a batch, and the evaluation
+    set (int64 [E, T+1]) and mask (bool [E, T] or None) a default diagnose of `config` scores."""
+    cfg, T, B = config.model, config.train.seq_len, config.train.batch_size
     torch.manual_seed(0)
     model = LoopedTransformer(cfg)
     optimizer = build_optimizer(model, config.optim)
     batch = torch.randint(0, cfg.vocab_size, (B, T + 1))
-    eval_tokens = torch.randint(0, cfg.vocab_size, (E, T + 1))
+    eval_tokens = torch.randint(0, cfg.vocab_size, (config.data.eval_sequences, T + 1))
+    eval_tokens, eval_mask = evaluation_set(resolve_eval_set("auto", config, "bench"), config, eval_tokens)
     F.cross_entropy(model(batch[:, :-1], depth=4).flatten(0, 1), batch[:, 1:].flatten()).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return model, optimizer, batch, eval_tokens
+    return model, optimizer, batch, eval_tokens, eval_mask
 
 
 def timed(fn) -> float:
@@ -71,31 +115,39 @@ def alternated(functions: dict, repeats: int) -> dict[str, float]:
 
 
 def throughput(config: RunConfig, repeats: int) -> dict:
-    model, optimizer, batch, eval_tokens = snapshot_like(config)
+    model, optimizer, batch, eval_tokens, eval_mask = snapshot_like(config)
     common = dict(update_depths=UPDATE_DEPTHS, serving_depths=SERVING, grad_clip=config.optim.grad_clip or None)
     default = DiagnosticOptions(precision=config.train.precision, **common)
+    first = DiagnosticOptions(**FIRST_VERSION, **common)
     diagnostics = {
-        "default": UpdateDiagnostic(model, optimizer, eval_tokens, default),
-        "first version": UpdateDiagnostic(model, optimizer, eval_tokens, DiagnosticOptions(**FIRST_VERSION, **common)),
+        "default": UpdateDiagnostic(model, optimizer, eval_tokens, default, eval_mask=eval_mask),
+        "first version": FirstVersionDiagnostic(model, optimizer, eval_tokens, first, eval_mask=eval_mask),
     }
     for diagnostic in diagnostics.values():
         _ = diagnostic.delta0, diagnostic.nll_before  # per-snapshot work, shared by every batch
     seconds = alternated({name: (lambda d=d: d.compare(batch)) for name, d in diagnostics.items()}, repeats)
     return {
         "default_options": {"precision": default.precision, "eval_batch_size": default.eval_batch_size},
-        "first_version_options": FIRST_VERSION,
+        "first_version_options": {**FIRST_VERSION, "readout": "every token"},
+        "counted_fraction": _counted_fraction(eval_mask),
         "units_per_minute": {name: 60 / s for name, s in seconds.items()},
         "speedup": seconds["first version"] / seconds["default"],
     }
 
 
+def _counted_fraction(eval_mask: torch.Tensor | None) -> float:
+    return 1.0 if eval_mask is None else float(eval_mask.float().mean())
+
+
 def evaluation_variants(config: RunConfig, repeats: int) -> dict:
     """Seconds to evaluate two updated parameter sets, per variant, and the largest NLL
     difference of each from the one-at-a-time chunk-32 evaluation."""
-    model, optimizer, batch, eval_tokens = snapshot_like(config)
+    model, optimizer, batch, eval_tokens, eval_mask = snapshot_like(config)
     options = dict(update_depths=UPDATE_DEPTHS, serving_depths=SERVING, grad_clip=config.optim.grad_clip or None)
     by_chunk = {
-        rows: UpdateDiagnostic(model, optimizer, eval_tokens, DiagnosticOptions(eval_batch_size=rows, **options))
+        rows: UpdateDiagnostic(
+            model, optimizer, eval_tokens, DiagnosticOptions(eval_batch_size=rows, **options), eval_mask=eval_mask
+        )
         for rows in (16, 32, 64)
     }
     reference = by_chunk[32]
@@ -105,6 +157,10 @@ def evaluation_variants(config: RunConfig, repeats: int) -> dict:
         for rows, d in by_chunk.items()
     }
     results["stacked under vmap, 64 rows"] = lambda: stacked_evaluation(reference, updates)
+    first = FirstVersionDiagnostic(model, optimizer, eval_tokens, DiagnosticOptions(**options), eval_mask=eval_mask)
+    results["one at a time, 32 rows, every token read out (first version)"] = lambda: [
+        first.evaluate(u) for u in updates
+    ]
     expected = torch.from_numpy(np.stack([reference.evaluate(u) for u in updates]))
     seconds = alternated(results, repeats)
     differences = {name: float((torch.as_tensor(fn()) - expected).abs().max()) for name, fn in results.items()}
@@ -122,25 +178,24 @@ def stacked_evaluation(diagnostic: UpdateDiagnostic, updates) -> torch.Tensor:
     stacked = {f"model.{name}": torch.stack([p[name] for p in params]) for name in params[0]}
     buffers = {f"model.{name}": b for name, b in diagnostic.buffers.items()}
     module = NllByDepth(diagnostic.model)
-    tokens = diagnostic.eval_tokens
+    tokens, targets = diagnostic.eval_tokens, diagnostic.eval_targets
     with torch.no_grad():
         nll = torch.vmap(
-            lambda p: torch.func.functional_call(
-                module, {**p, **buffers}, (tokens[:, :-1], tokens[:, 1:], list(SERVING))
-            )
+            lambda p: torch.func.functional_call(module, {**p, **buffers}, (tokens[:, :-1], targets, list(SERVING)))
         )(stacked)
     return nll.double()
 
 
 def unit_vs_parts(config: RunConfig, repeats: int) -> dict:
-    model, optimizer, batch, eval_tokens = snapshot_like(config)
+    model, optimizer, batch, eval_tokens, eval_mask = snapshot_like(config)
     options = DiagnosticOptions(
         update_depths=UPDATE_DEPTHS,
         serving_depths=SERVING,
         grad_clip=config.optim.grad_clip or None,
         precision=config.train.precision,
     )
-    diagnostic = UpdateDiagnostic(model, optimizer, eval_tokens, options)
+    diagnostic = UpdateDiagnostic(model, optimizer, eval_tokens, options, eval_mask=eval_mask)
+    eval_targets = diagnostic.eval_targets
     _ = diagnostic.delta0, diagnostic.nll_before
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=options.precision == "bf16")
 
@@ -152,8 +207,10 @@ def unit_vs_parts(config: RunConfig, repeats: int) -> dict:
             torch.autograd.grad(loss, list(model.parameters()))
         with torch.no_grad():
             for _ in UPDATE_DEPTHS:
-                for rows in eval_tokens.split(options.eval_batch_size):
-                    model.nll_by_depth(rows[:, :-1], rows[:, 1:], SERVING)
+                for rows, targets in zip(
+                    eval_tokens.split(options.eval_batch_size), eval_targets.split(options.eval_batch_size)
+                ):
+                    model.nll_by_depth(rows[:, :-1], targets, SERVING)
 
     seconds = alternated({"unit": lambda: diagnostic.compare(batch), "parts": parts}, repeats)
     return {
@@ -178,9 +235,9 @@ def memory_probe(config_path: str) -> None:
     building the model and optimizer and running two units."""
     config = load_config(config_path)
     before = _status_bytes("VmRSS")
-    model, optimizer, batch, eval_tokens = snapshot_like(config)
+    model, optimizer, batch, eval_tokens, eval_mask = snapshot_like(config)
     options = DiagnosticOptions(precision=config.train.precision, grad_clip=config.optim.grad_clip or None)
-    diagnostic = UpdateDiagnostic(model, optimizer, eval_tokens, options)
+    diagnostic = UpdateDiagnostic(model, optimizer, eval_tokens, options, eval_mask=eval_mask)
     for _ in range(2):
         diagnostic.compare(batch)
     state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())

@@ -59,6 +59,28 @@ def test_ignored_targets_are_skipped():
     torch.testing.assert_close(nll[0], expected)
 
 
+@pytest.mark.parametrize(
+    "variant", [dict(), dict(n_coda=0), dict(n_coda=2, norm="sandwich", mlp="swiglu", injection="add")]
+)
+def test_ignored_targets_are_not_read_out(variant):
+    """With some targets ignored, only the counted tokens reach the head (and the last coda
+    block's MLP), and the NLL at every depth is still that of full forwards."""
+    model = trained_like(ModelConfig(**{**SMALL, **variant}))
+    x, y = torch.randint(0, 40, (3, 16)), torch.randint(0, 40, (3, 16))
+    counted = torch.rand(3, 16) < 0.4
+    counted[0] = False  # a row with nothing counted still feeds the others' attention
+    y_masked = y.masked_fill(~counted, -1)
+    depths = [5, 1, 3]
+    head_rows = []
+    hook = model.head.register_forward_hook(lambda module, args, out: head_rows.append(args[0].shape[:-1].numel()))
+    with torch.no_grad():
+        nll = model.nll_by_depth(x, y_masked, depths)
+        hook.remove()
+        expected = torch.stack([F.cross_entropy(model(x, depth=s)[counted], y[counted]) for s in depths])
+    assert head_rows == [int(counted.sum())] * len(depths)
+    torch.testing.assert_close(nll, expected, rtol=1e-6, atol=1e-6)
+
+
 def test_noise_state_is_deterministic_and_seeded():
     x = torch.randint(0, 40, (2, 8))
     a = trained_like(ModelConfig(**SMALL, init_state="noise", state_noise_seed=1))

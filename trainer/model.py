@@ -226,7 +226,14 @@ class Block(nn.Module):
         self.mlp_post_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps) if sandwich else nn.Identity()
 
     def forward(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
-        x = x + self.attn_post_norm(self.attn(self.attn_norm(x), rotary))
+        return self.feed_forward(self.attend(x, rotary))
+
+    def attend(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        """The attention sublayer with its residual: x [B, T, d] -> [B, T, d]."""
+        return x + self.attn_post_norm(self.attn(self.attn_norm(x), rotary))
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP sublayer with its residual, token by token: x [..., d] -> [..., d]."""
         return x + self.mlp_post_norm(self.mlp(self.mlp_norm(x)))
 
 
@@ -302,11 +309,25 @@ class LoopedTransformer(nn.Module):
             x = block(x, self.rotary)
         return x
 
-    def _readout(self, state: torch.Tensor) -> torch.Tensor:
+    def _readout(self, state: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, V] from the state [B, T, d]; with `positions` (int64 [N], indices into
+        the flattened B*T tokens) logits [N, V] at those tokens only. The coda's attention
+        reads every token, but what follows it works token by token, so only the tokens read
+        out go through the last MLP, the final norm and the head: for a set whose targets are
+        mostly ignored, that is most of the readout's cost."""
         x = self.loop_norm(state)
-        for block in self.coda:
+        if positions is None:
+            for block in self.coda:
+                x = block(x, self.rotary)
+            return self.head(self.final_norm(x))  # [B, T, V]
+        for block in self.coda[:-1]:
             x = block(x, self.rotary)
-        return self.head(self.final_norm(x))  # [B, T, V]
+        if self.coda:
+            x = self.coda[-1].attend(x, self.rotary)
+        x = x.flatten(0, 1)[positions]  # [N, d]
+        if self.coda:
+            x = self.coda[-1].feed_forward(x)
+        return self.head(self.final_norm(x))  # [N, V]
 
     def _states(self, input_ids: torch.Tensor, depth: int) -> Iterable[tuple[int, torch.Tensor]]:
         """Yield (k, s_k) for k = 1..depth. Truncated backprop runs the first
@@ -343,11 +364,21 @@ class LoopedTransformer(nn.Module):
     def nll_by_depth(self, input_ids: torch.Tensor, targets: torch.Tensor, depths: Sequence[int]) -> torch.Tensor:
         """Mean token NLL at every depth in `depths` from one pass of max(depths)
         iterations; returns Tensor[len(depths)] (float32) in the order given.
-        Targets equal to IGNORE_INDEX are skipped."""
-        nll = {
-            s: F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
-            for s, logits in self.logits_by_depth(input_ids, depths)
-        }
+        Targets equal to IGNORE_INDEX are skipped, and when some are, only the counted
+        tokens are read out (`_readout`): the same NLL up to float rounding."""
+        wanted = sorted({int(s) for s in depths})
+        if not wanted:
+            raise InputError("depths must not be empty")
+        targets = targets.flatten()  # [B*T]
+        counted = targets != IGNORE_INDEX
+        positions = None if bool(counted.all()) else counted.nonzero().squeeze(1)
+        if positions is not None:
+            targets = targets[positions]  # [N]
+        nll = {}
+        for k, state in self._states(input_ids, wanted[-1]):
+            if k in wanted:
+                logits = self._readout(state, positions)
+                nll[k] = F.cross_entropy(logits.flatten(0, -2).float(), targets, ignore_index=IGNORE_INDEX)
         return torch.stack([nll[int(s)] for s in depths])
 
     def compile_blocks(self) -> None:
