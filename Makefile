@@ -23,9 +23,10 @@ SEEDS ?= 0 1 2 3 4
 # Diagnostic batches per snapshot (each one is a (snapshot, batch) unit). Batch noise
 # is small next to seed noise at this count (summarize prints both variances).
 BATCHES ?= 4
-# The seeds' jobs run side by side, one torch thread each: tiny models use one
-# core better than two threads share it.
-JOBS ?= $(words $(SEEDS))
+# The seeds' training and diagnose jobs run JOBS at a time, one torch thread each: tiny
+# models use one core better than two threads share it, and more jobs than cores lose
+# more to switching between them than an idle core at the end costs (README).
+JOBS ?= 2
 THREADS ?= 1
 # The evaluation set the diagnostic scores: `auto` (bioS: `attributes`, the evaluation
 # presentations scored on their attribute-value tokens, as the paper evaluates bioS; other
