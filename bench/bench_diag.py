@@ -8,6 +8,8 @@ Everything runs on the evaluation set a default `depthdiag diagnose` of the conf
    counted tokens) against the first version's path (fp32 gradient passes, one update at
    a time in chunks of 32 rows, every token read out), alternated in one process. Both
    give the same NLL within float32 rounding when the precision is the same.
+   Alongside, the default's two evaluations alone: the first version's unit over them
+   is the most any faster gradient pass could give.
 2. Evaluation variants, measured on the same updates: chunk sizes, both updates stacked
    under torch.func.vmap, and the first version's readout of every token.
 3. One unit against the sum of its unavoidable parts (two forward+backward passes, one
@@ -32,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from diag.engine import DiagnosticOptions, UpdateDiagnostic, _module_mode
+from diag.engine import DiagnosticOptions, UpdateDiagnostic, _module_mode, match_rms
 from diag.evalset import evaluation_set, resolve_eval_set
 from trainer.config import RunConfig, load_config
 from trainer.model import IGNORE_INDEX, LoopedTransformer
@@ -125,13 +127,20 @@ def throughput(config: RunConfig, repeats: int) -> dict:
     }
     for diagnostic in diagnostics.values():
         _ = diagnostic.delta0, diagnostic.nll_before  # per-snapshot work, shared by every batch
-    seconds = alternated({name: (lambda d=d: d.compare(batch)) for name, d in diagnostics.items()}, repeats)
+    units = {name: (lambda d=d: d.compare(batch)) for name, d in diagnostics.items()}
+    # The default's evaluations alone, on the updates a unit evaluates: what a unit would
+    # cost if its gradient passes were free, the bound on any faster gradient path.
+    reference = diagnostics["default"]
+    gradients = [reference.gradient(batch, depth)[1] for depth in UPDATE_DEPTHS]
+    matched, _ = match_rms([reference.update(g) for g in gradients], default.rms_match)
+    seconds = alternated({**units, "default evaluations": lambda: [reference.evaluate(u) for u in matched]}, repeats)
     return {
         "default_options": {"precision": default.precision, "eval_batch_size": default.eval_batch_size},
         "first_version_options": {**FIRST_VERSION, "readout": "every token"},
         "counted_fraction": _counted_fraction(eval_mask),
-        "units_per_minute": {name: 60 / s for name, s in seconds.items()},
+        "units_per_minute": {name: 60 / seconds[name] for name in units},
         "speedup": seconds["first version"] / seconds["default"],
+        "speedup_with_free_gradients": seconds["first version"] / seconds["default evaluations"],
     }
 
 
