@@ -312,9 +312,8 @@ class LoopedTransformer(nn.Module):
     def _readout(self, state: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, V] from the state [B, T, d]; with `positions` (int64 [N], indices into
         the flattened B*T tokens) logits [N, V] at those tokens only. The coda's attention
-        reads every token, but what follows it works token by token, so only the tokens read
-        out go through the last MLP, the final norm and the head: for a set whose targets are
-        mostly ignored, that is most of the readout's cost."""
+        reads every token, but what follows it works token by token, so the last MLP, the
+        final norm and the head, most of a readout's FLOPs, run on the N tokens alone."""
         x = self.loop_norm(state)
         if positions is None:
             for block in self.coda:
