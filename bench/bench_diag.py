@@ -39,7 +39,7 @@ from diag.evalset import evaluation_set, resolve_eval_set
 from trainer.config import RunConfig, load_config
 from trainer.model import IGNORE_INDEX, LoopedTransformer
 from trainer.optim import build_optimizer
-from trainer.scoring import NllByDepth
+from trainer.scoring import NllByDepth, mean_nll_by_depth
 
 UPDATE_DEPTHS, SERVING = (4, 16), tuple(range(1, 17))
 FIRST_VERSION = {"precision": "fp32", "eval_batch_size": 32}
@@ -47,14 +47,15 @@ FIRST_VERSION = {"precision": "fp32", "eval_batch_size": 32}
 
 
 class EveryTokenReadout(nn.Module):
-    """The first version's evaluation: logits of every token at every depth, then the NLL of
-    the counted targets. Routed like `NllByDepth`, so functional_call can substitute weights."""
+    """The first version's scoring: logits of every token at every depth, then the NLL of the
+    counted targets. Its `nll_by_depth` is what `mean_nll_by_depth` calls, with the model's
+    weights under `model.<name>`."""
 
     def __init__(self, model: LoopedTransformer):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor, depths: list[int]) -> torch.Tensor:
+    def nll_by_depth(self, input_ids: torch.Tensor, targets: torch.Tensor, depths: list[int]) -> torch.Tensor:
         nll = {
             s: F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
             for s, logits in self.model.logits_by_depth(input_ids, depths)
@@ -69,18 +70,17 @@ class FirstVersionDiagnostic(UpdateDiagnostic):
         params = dict(self.theta)
         for name, u in zip(self.stepped, update or []):
             params[name] = params[name] + u
-        module = EveryTokenReadout(self.model)
-        total = torch.zeros(len(self.options.serving_depths), dtype=torch.float64)
-        size = self.options.eval_batch_size
-        rows = zip(self.eval_tokens.split(size), self.eval_targets.split(size), self._chunk_counts)
-        with torch.no_grad(), _module_mode(self.model, training=False):
-            for tokens, targets, count in rows:
-                routed = {f"model.{name}": value for name, value in self._state(params).items()}
-                nll = torch.func.functional_call(
-                    module, routed, (tokens[:, :-1], targets, list(self.options.serving_depths))
-                )
-                total += nll.double() * count
-        return (total / sum(self._chunk_counts)).numpy()
+        with _module_mode(self.model, training=False):
+            nll = mean_nll_by_depth(
+                EveryTokenReadout(self.model),
+                self.eval_tokens,
+                list(self.options.serving_depths),
+                targets=self.eval_targets,
+                batch_size=self.options.eval_batch_size,
+                counts=self._chunk_counts,
+                state=lambda: {f"model.{name}": value for name, value in self._state(params).items()},
+            )
+        return nll.cpu().numpy()
 
 
 def snapshot_like(config: RunConfig):

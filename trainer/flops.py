@@ -89,7 +89,8 @@ def nll_by_depth_flops(
     model: ModelConfig, depths: Sequence[int], *, batch_size: int, seq_len: int, include_embeddings: bool = False
 ) -> float:
     """Modeled forward FLOPs of `LoopedTransformer.nll_by_depth(depths)`: one pass of
-    max(depths) iterations with a readout (norms, coda, head) after each requested depth."""
+    max(depths) iterations with a readout (norms, coda, head) after each requested depth,
+    every target counted (with some ignored, the last coda MLP and the head run on fewer tokens)."""
     depths = sorted(set(depths))
     if not depths:
         raise InputError("depths must not be empty")

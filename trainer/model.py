@@ -350,34 +350,33 @@ class LoopedTransformer(nn.Module):
             pass
         return self._readout(state)
 
-    def logits_by_depth(self, input_ids: torch.Tensor, depths: Sequence[int]) -> Iterator[tuple[int, torch.Tensor]]:
+    def logits_by_depth(
+        self, input_ids: torch.Tensor, depths: Sequence[int], positions: torch.Tensor | None = None
+    ) -> Iterator[tuple[int, torch.Tensor]]:
         """Yield (s, logits [B, T, V]) for each s in sorted(set(depths)) from one pass
-        of max(depths) iterations, reading out after each requested iteration."""
+        of max(depths) iterations, reading out after each requested iteration; with
+        `positions` (int64 [N] into the flattened B*T tokens) logits [N, V] at those only."""
         wanted = sorted({int(s) for s in depths})
         if not wanted:
             raise InputError("depths must not be empty")
         for k, state in self._states(input_ids, wanted[-1]):
             if k in wanted:
-                yield k, self._readout(state)
+                yield k, self._readout(state, positions)
 
     def nll_by_depth(self, input_ids: torch.Tensor, targets: torch.Tensor, depths: Sequence[int]) -> torch.Tensor:
         """Mean token NLL at every depth in `depths` from one pass of max(depths)
         iterations; returns Tensor[len(depths)] (float32) in the order given.
         Targets equal to IGNORE_INDEX are skipped, and when some are, only the counted
         tokens are read out (`_readout`): the same NLL up to float rounding."""
-        wanted = sorted({int(s) for s in depths})
-        if not wanted:
-            raise InputError("depths must not be empty")
         targets = targets.flatten()  # [B*T]
         counted = targets != IGNORE_INDEX
         positions = None if bool(counted.all()) else counted.nonzero().squeeze(1)
         if positions is not None:
             targets = targets[positions]  # [N]
-        nll = {}
-        for k, state in self._states(input_ids, wanted[-1]):
-            if k in wanted:
-                logits = self._readout(state, positions)
-                nll[k] = F.cross_entropy(logits.flatten(0, -2).float(), targets, ignore_index=IGNORE_INDEX)
+        nll = {
+            s: F.cross_entropy(logits.flatten(0, -2).float(), targets, ignore_index=IGNORE_INDEX)
+            for s, logits in self.logits_by_depth(input_ids, depths, positions)
+        }
         return torch.stack([nll[int(s)] for s in depths])
 
     def compile_blocks(self) -> None:
