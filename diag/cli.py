@@ -33,6 +33,7 @@ from common.choices import (
 )
 from common.depths import MAX_SERVING_DEPTH
 from common.errors import EXIT_BAD_INPUT, EXIT_RUN_FAILED, InputError, RunFailed, naming_files
+from common.heap import keep_freed_memory
 
 if TYPE_CHECKING:
     from analysis.stats import IntervalOptions
@@ -113,6 +114,7 @@ def main(debug: bool) -> None:
     Every writer holds a lock on its output: a second writer is refused with the
     holder's pid. An existing output is refused unless --force is given.
     """
+    keep_freed_memory()  # a process-wide malloc setting, so the command sets it, not the library
 
 
 # --- options several commands share --------------------------------------------------------
