@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from common.heap import keep_freed_memory
 from trainer.config import RunConfig, load_config, replace_section
 from trainer.data import build_source
 from trainer.distributed import resolve_device
@@ -84,6 +85,13 @@ def alternate(trainers: dict[str, Trainer], depths: dict[str, list[int]], segmen
     return seconds
 
 
+def depth_mix(config: RunConfig, updates: int) -> list[int]:
+    """The depths of `updates` of the config's own updates spread evenly over its whole run."""
+    tc = config.train
+    schedule = parse_schedule(tc.schedule, seed=tc.seed, total_updates=tc.updates)
+    return [schedule.depth_at(round(i * (tc.updates - 1) / max(updates - 1, 1))) for i in range(updates)]
+
+
 def settings_speedup(config: RunConfig, device: torch.device, updates: int, segment: int) -> dict:
     """Updates/s of the config's own settings and of each single fast setting against the
     plain fp32 eager loop, on the config's schedule, alternated in one run."""
@@ -96,10 +104,7 @@ def settings_speedup(config: RunConfig, device: torch.device, updates: int, segm
         "bf16 + compiled blocks": replace_section(plain, "train", precision="bf16", compile=True),
     }
     default = f"default ({tc.precision}{', compiled' if tc.compile else ''})"
-    schedule = parse_schedule(tc.schedule, seed=tc.seed, total_updates=tc.updates)
-    # The config's depth mix: its updates spread evenly over the whole run.
-    indices = [round(i * (tc.updates - 1) / max(updates - 1, 1)) for i in range(updates)]
-    depth_list = [schedule.depth_at(i) for i in indices]
+    depth_list = depth_mix(config, updates)
     trainers, compile_seconds = {}, {}
     for name, side in sides.items():
         began = time.perf_counter()
@@ -186,8 +191,59 @@ def one_thread_settings(config_path: str, overrides: list[str], updates: int, se
     return json.loads(done.stdout)
 
 
+def heap_side(config: RunConfig, device: torch.device, updates: int) -> dict:
+    """Updates/s, page faults per update and the fraction of the time spent in the kernel
+    of the config's own settings on its depth mix, after two warm-up updates: one side of
+    `heap_speedup`, in a process of its own."""
+    import resource  # Unix only, as is the heap setting this measures
+
+    depth_list = depth_mix(config, updates)
+    trainer = Trainer(config, device)
+    for step in range(2):
+        trainer.update(step, depth_list[0])
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    seconds = sum(trainer.update(step, depth) for step, depth in enumerate(depth_list))
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "updates_per_second": updates / seconds,
+        "page_faults_per_update": (after.ru_minflt - before.ru_minflt) / updates,
+        "system_fraction": (after.ru_stime - before.ru_stime) / seconds,
+    }
+
+
+def heap_speedup(config_path: str, overrides: list[str], updates: int, rounds: int, threads: int) -> dict:
+    """Training with freed memory kept (common/heap.py, what the commands set) against
+    glibc's default malloc, at `threads` threads. The setting is process-wide, so each side
+    runs in fresh processes, `rounds` of each alternated (ABBA); the speed-up is the ratio
+    of their summed rates, and the page faults per update show what it removes."""
+    sides: dict[str, list[dict]] = {"kept": [], "glibc default": []}
+    for round_ in range(rounds):
+        for side in list(sides) if round_ % 2 == 0 else list(sides)[::-1]:
+            command = [sys.executable, __file__, "--config", config_path, "--heap-side", f"--updates={updates}"]
+            command += [arg for override in overrides for arg in ("--set", override)]
+            command += ["--malloc-default"] if side == "glibc default" else []
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+            done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+            sides[side].append(json.loads(done.stdout))
+    summed = {side: sum(row["updates_per_second"] for row in rows) for side, rows in sides.items()}
+    return {
+        "updates": updates,
+        "rounds": rounds,
+        "threads": threads,
+        "sides": sides,
+        "speedup": summed["kept"] / summed["glibc default"],
+    }
+
+
 def run(
-    config_path: str, overrides: list[str], *, updates: int = 16, fixed_first_updates: int = 30, segment: int = 4
+    config_path: str,
+    overrides: list[str],
+    *,
+    updates: int = 16,
+    fixed_first_updates: int = 30,
+    segment: int = 4,
+    heap_updates: int = 24,
+    heap_rounds: int = 4,
 ) -> dict:
     config = load_config(config_path, overrides)
     device = resolve_device(config.train.device)
@@ -208,6 +264,9 @@ def run(
         "settings_one_thread": settings.get(1),
         "achieved": achieved_flops(config, device, max(updates // 2, 4), peaks[tc.precision]),
         "fixed_first": fixed_first_saving(config, device, fixed_first_updates, segment),
+        "heap": [heap_speedup(config_path, overrides, heap_updates, heap_rounds, n) for n in sorted(settings)]
+        if device.type == "cpu" and sys.platform == "linux"
+        else [],
     }
 
 
@@ -229,7 +288,24 @@ def main() -> None:
         action="store_true",
         help="Only the settings' updates/s against the plain fp32 eager loop, as JSON.",
     )
+    parser.add_argument(
+        "--heap-side",
+        action="store_true",
+        help="Only the updates/s, page faults per update and kernel-time fraction of the config's "
+        "own settings on its depth mix, as JSON (one side of the heap benchmark).",
+    )
+    parser.add_argument(
+        "--malloc-default",
+        action="store_true",
+        help="Leave glibc's malloc at its defaults instead of keeping freed memory as the commands do.",
+    )
     args = parser.parse_args()
+    if not args.malloc_default:
+        keep_freed_memory()
+    if args.heap_side:
+        config = load_config(args.config, args.overrides)
+        print(json.dumps(heap_side(config, resolve_device(config.train.device), args.updates)))
+        return
     if args.settings_only:
         config = load_config(args.config, args.overrides)
         print(json.dumps(settings_speedup(config, resolve_device(config.train.device), args.updates, args.segment)))

@@ -13,6 +13,26 @@ from pathlib import Path
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
+def _heap_paragraph(heaps: list[dict]) -> str:
+    """Keeping freed memory (common/heap.py) against glibc's default, at each thread count."""
+
+    def mean(heap: dict, side: str, key: str) -> float:
+        rows = heap["sides"][side]
+        return sum(row[key] for row in rows) / len(rows)
+
+    parts = [
+        f"{heap['speedup']:.2f}x at {heap['threads']} thread{'s' if heap['threads'] > 1 else ''} "
+        f"(page faults per update {mean(heap, 'glibc default', 'page_faults_per_update'):,.0f} to "
+        f"{mean(heap, 'kept', 'page_faults_per_update'):,.0f}, time in the kernel "
+        f"{mean(heap, 'glibc default', 'system_fraction'):.0%} to {mean(heap, 'kept', 'system_fraction'):.0%})"
+        for heap in heaps
+    ]
+    return (
+        "Freed memory kept (common/heap.py, what every command sets) against glibc's default malloc, "
+        f"updates/s in fresh processes alternated, {heaps[0]['rounds']} a side: {', '.join(parts)}."
+    )
+
+
 def render(results: dict) -> str:
     machine = results["machine"]
     train, diag = results["train"], results["diag"]
@@ -58,6 +78,8 @@ def render(results: dict) -> str:
             f"{row['tokens_per_second']:,.0f} tokens/s);"
         )
     lines[-1] = lines[-1].rstrip(";") + "."
+    if train.get("heap"):
+        lines += ["", _heap_paragraph(train["heap"])]
     throughput = diag["throughput"]
     lines += [
         "",

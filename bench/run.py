@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from common.heap import keep_freed_memory
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -141,6 +143,7 @@ def main() -> None:
     )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results.json"))
     args = parser.parse_args()
+    keep_freed_memory()  # as the commands do
 
     import bench_diag
     import bench_model
