@@ -1,11 +1,13 @@
 """Training throughput: the default fast path against the plain fp32 eager loop, achieved
-FLOP/s against the matmul peak, and whether step time tracks modeled FLOPs.
+FLOP/s against the matmul peak, whether step time tracks modeled FLOPs, and keeping freed
+memory (common/heap.py) against glibc's default malloc.
 
     python bench/bench_train.py [--config configs/tiny.toml] [--set key=value ...]
 
 Every update goes through `trainer.train.TrainStep`, the training loop's own step,
 with the run's batches and LR schedule. Sides that are compared run alternately
-in the same process (ABBA segments), so drifting machine load falls on both.
+in the same process (ABBA segments), so drifting machine load falls on both; the
+heap's sides, a process-wide setting, alternate as fresh processes.
 """
 
 from __future__ import annotations
