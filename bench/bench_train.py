@@ -184,11 +184,17 @@ def one_thread_settings(config_path: str, overrides: list[str], updates: int, se
     """`settings_speedup` in a fresh process with OMP_NUM_THREADS=1, as each job of `make
     figure4` and of the grids runs. A process of its own, because compiled CPU kernels keep
     the thread count they were compiled under."""
-    command = [sys.executable, __file__, "--config", config_path, "--settings-only"]
-    command += [f"--updates={updates}", f"--segment={segment}"]
-    for override in overrides:
-        command += ["--set", override]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return in_fresh_process(
+        config_path, overrides, 1, ["--settings-only", f"--updates={updates}", f"--segment={segment}"]
+    )
+
+
+def in_fresh_process(config_path: str, overrides: list[str], threads: int, arguments: list[str]):
+    """What this script prints as JSON when run with `arguments` on the config in a new
+    process with OMP_NUM_THREADS=`threads`."""
+    command = [sys.executable, __file__, "--config", config_path, *arguments]
+    command += [arg for override in overrides for arg in ("--set", override)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout)
 
@@ -221,12 +227,9 @@ def heap_speedup(config_path: str, overrides: list[str], updates: int, rounds: i
     sides: dict[str, list[dict]] = {"kept": [], "glibc default": []}
     for round_ in range(rounds):
         for side in list(sides) if round_ % 2 == 0 else list(sides)[::-1]:
-            command = [sys.executable, __file__, "--config", config_path, "--heap-side", f"--updates={updates}"]
-            command += [arg for override in overrides for arg in ("--set", override)]
-            command += ["--malloc-default"] if side == "glibc default" else []
-            env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-            done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
-            sides[side].append(json.loads(done.stdout))
+            arguments = ["--heap-side", f"--updates={updates}"]
+            arguments += ["--malloc-default"] if side == "glibc default" else []
+            sides[side].append(in_fresh_process(config_path, overrides, threads, arguments))
     summed = {side: sum(row["updates_per_second"] for row in rows) for side, rows in sides.items()}
     return {
         "updates": updates,

@@ -315,7 +315,7 @@ class LoopedTransformer(nn.Module):
         reads every token, but what follows it works token by token, so the last MLP, the
         final norm and the head, most of a readout's FLOPs, run on the N tokens alone."""
         x = self.loop_norm(state)
-        if positions is None:
+        if positions is None:  # whole blocks, so that compiled blocks (training) stay compiled
             for block in self.coda:
                 x = block(x, self.rotary)
             return self.head(self.final_norm(x))  # [B, T, V]
@@ -374,7 +374,7 @@ class LoopedTransformer(nn.Module):
         if positions is not None:
             targets = targets[positions]  # [N]
         nll = {
-            s: F.cross_entropy(logits.flatten(0, -2).float(), targets, ignore_index=IGNORE_INDEX)
+            s: F.cross_entropy(logits.flatten(0, -2).float(), targets)  # every target here is counted
             for s, logits in self.logits_by_depth(input_ids, depths, positions)
         }
         return torch.stack([nll[int(s)] for s in depths])
