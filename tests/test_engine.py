@@ -76,21 +76,58 @@ def adamw_setup(steps=3, lr=1e-2):
 # --- the independent reference --------------------------------------------------------------
 
 
-def reference_delta(model, optimizer, batch, depth, depth_kwarg, clip):
-    """Delta for the gradient at `depth` (None: a zero gradient), by stepping deep copies."""
+def reference_gradient(model, batch, depth, depth_kwarg, clip):
+    """The training gradient at `depth`, clipped, by a real backward on a deep copy (zeros where a
+    parameter gets none)."""
+    m = copy.deepcopy(model)
+    train_loss(m, batch, depth_kwarg, depth).backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+    return {name: torch.zeros_like(p) if p.grad is None else p.grad for name, p in m.named_parameters()}
+
+
+def zero_gradient(model):
+    return {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+
+
+def reference_delta(model, optimizer, grads, dtype=torch.float32):
+    """Delta(grads): torch's own `optimizer.step()` on deep copies of the model and the optimizer,
+    every parameter and state tensor (but Adam's step count) converted to `dtype`."""
     m, opt = copy.deepcopy((model, optimizer))
-    if depth is None:
-        for p in m.parameters():
-            p.grad = torch.zeros_like(p)
-    else:
-        train_loss(m, batch, depth_kwarg, depth).backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
-        for p in m.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+    m.to(dtype)  # in place: the copied optimizer still holds these parameters
+    for state in opt.state.values():
+        for key, value in state.items():
+            if key != "step":
+                state[key] = value.to(dtype)
+    for name, p in m.named_parameters():
+        p.grad = grads[name].to(dtype)
     opt.step()
-    return {name: p.detach() - q.detach() for (name, p), q in zip(m.named_parameters(), model.parameters())}
+    return {name: p.detach() - q.detach().to(dtype) for (name, p), q in zip(m.named_parameters(), model.parameters())}
+
+
+ISOLATES = ("counterfactual", "none", "linear")
+FD_STEP = 1e-6
+"""The finite difference's step h: in float64 its truncation error (as h^2) is near 1e-7 of the linear
+term on the test state (1e-5 at h = 1e-5), its rounding error (as 1e-16 / h) far below that."""
+
+
+def reference_update(model, optimizer, grads, isolate):
+    """u under `isolate`: Delta(g) - Delta(0), Delta(g), or d/de Delta(e g) at e = 0 as the central
+    difference (Delta(h g) - Delta(-h g)) / 2h of real float64 steps (an AdamW's only)."""
+    if isolate == "linear":
+        # Where v = 0, Delta(e g) bends on the scale e ~ eps / |g|, far below any step float64 resolves.
+        params = dict(model.named_parameters())
+        assert all(bool((optimizer.state[params[n]]["exp_avg_sq"][g != 0] > 0).all()) for n, g in grads.items())
+        plus, minus = (
+            reference_delta(model, optimizer, {n: h * g.double() for n, g in grads.items()}, torch.float64)
+            for h in (FD_STEP, -FD_STEP)
+        )
+        return {name: (plus[name] - minus[name]) / (2 * FD_STEP) for name in plus}
+    delta = reference_delta(model, optimizer, grads)
+    if isolate == "none":
+        return delta
+    delta0 = reference_delta(model, optimizer, zero_gradient(model))
+    return {name: delta[name] - delta0[name] for name in delta}
 
 
 def reference_nll(model, eval_tokens, depth_kwarg, serving):
@@ -98,12 +135,13 @@ def reference_nll(model, eval_tokens, depth_kwarg, serving):
         return np.array([float(train_loss(model, eval_tokens, depth_kwarg, s)) for s in serving])
 
 
-def reference_unit(model, optimizer, batch, eval_tokens, depths, serving, depth_kwarg="depth", clip=CLIP):
-    delta0 = reference_delta(model, optimizer, batch, None, depth_kwarg, clip)
-    updates = []
-    for depth in depths:
-        delta = reference_delta(model, optimizer, batch, depth, depth_kwarg, clip)
-        updates.append({name: delta[name] - delta0[name] for name in delta})
+def reference_unit(
+    model, optimizer, batch, eval_tokens, depths, serving, depth_kwarg="depth", clip=CLIP, isolate="counterfactual"
+):
+    updates = [
+        reference_update(model, optimizer, reference_gradient(model, batch, depth, depth_kwarg, clip), isolate)
+        for depth in depths
+    ]
 
     def rms(u):
         return math.sqrt(sum(float((t.double() ** 2).sum()) for t in u.values()) / sum(t.numel() for t in u.values()))
@@ -150,27 +188,86 @@ def test_unit_matches_hand_reference_at_every_serving_depth():
     assert ds.attrs["lr"] == pytest.approx(1e-2)
 
 
-def test_updates_match_torch_steps_and_reference_rms_matching():
+def seen_batch():
+    """The first batch `trained` steps on: every embedding row it touches has Adam's v > 0, as the
+    linear reference's finite difference needs (an unseen token's row has v = 0)."""
+    return tokens(4, 1000)
+
+
+# |engine - reference| <= atol + rtol |reference| per element. counterfactual and none: torch's own
+# kernel on the same gradient, equal to the bit on the test state. linear: the jvp in fp32 against the
+# float64 finite difference, measured within 1.5% of this allowance (1.4e-7 on elements up to 2.8).
+UPDATE_TOLERANCE = {
+    "counterfactual": {"rtol": 1e-4, "atol": 1e-7},
+    "none": {"rtol": 1e-4, "atol": 1e-7},
+    "linear": {"rtol": 1e-5, "atol": 1e-7},
+}
+
+
+@pytest.mark.parametrize("isolate", ISOLATES)
+def test_updates_match_torch_steps_and_reference_rms_matching(isolate):
     model, opt = adamw_setup()
-    batch = tokens(4, 3)
+    batch = seen_batch()
     diagnostic = UpdateDiagnostic(
-        model, opt, tokens(4, 4), DiagnosticOptions(update_depths=UPDATE_DEPTHS, grad_clip=CLIP)
+        model, opt, tokens(4, 4), DiagnosticOptions(update_depths=UPDATE_DEPTHS, grad_clip=CLIP, isolate=isolate)
     )
     names = diagnostic.stepped
-    delta0 = reference_delta(model, opt, batch, None, "depth", CLIP)
+    delta0 = reference_delta(model, opt, zero_gradient(model))
     for a, name in zip(diagnostic.delta0, names):
         assert torch.equal(a, delta0[name])
     updates = []
     for depth in UPDATE_DEPTHS:
         _, grads = diagnostic.gradient(batch, depth)
         u = diagnostic.update(grads)
-        delta = reference_delta(model, opt, batch, depth, "depth", CLIP)
+        expected = reference_update(model, opt, reference_gradient(model, batch, depth, "depth", CLIP), isolate)
         for a, name in zip(u, names):
-            torch.testing.assert_close(a, delta[name] - delta0[name], rtol=1e-4, atol=1e-7)
+            torch.testing.assert_close(
+                a, expected[name], check_dtype=False, **UPDATE_TOLERANCE[isolate], msg=lambda m, n=name: f"{n}: {m}"
+            )
         updates.append(u)
     matched, scales = match_rms(updates, "reference")
     assert [global_rms(m) for m in matched] == pytest.approx([global_rms(updates[0])] * 2, rel=1e-6)
     assert scales[0] == 1.0
+
+
+def test_each_isolation_matches_its_own_hand_reference_and_no_other():
+    model, opt = adamw_setup()
+    batch, eval_tokens = seen_batch(), tokens(6, 2)
+    # Three steps of AdamW with weight decay: momentum and decay make Delta(0) far from 0, and a young
+    # second moment makes Delta far from linear, so the three rules give three different units.
+    references = {
+        isolate: reference_unit(model, opt, batch, eval_tokens, UPDATE_DEPTHS, SERVING, isolate=isolate)
+        for isolate in ISOLATES
+    }
+    # Measured worst errors over the three: NLL 5.6e-7 and benefit 7.2e-7 (fp32 evaluations summed in
+    # another order), update RMS and RMS scale 5e-8 relative, cosine 2.2e-8 (linear; the others agree to
+    # 1e-15): each tolerance is 14-45x its error.
+    nll_atol, rms_rtol, cosine_atol = 1e-5, 1e-6, 1e-6
+    for isolate, (nll, raw, updates) in references.items():
+        ds = diag.compare_updates(
+            model,
+            opt,
+            batch,
+            eval_tokens,
+            update_depths=UPDATE_DEPTHS,
+            serving_depths=SERVING,
+            isolate=isolate,
+            grad_clip=CLIP,
+            eval_batch_size=4,
+        )
+        assert ds.attrs["isolate"] == isolate
+        np.testing.assert_allclose(ds.nll.values, nll, rtol=0, atol=nll_atol, err_msg=isolate)
+        np.testing.assert_allclose(ds.benefit.values, nll[0] - nll[1], rtol=0, atol=nll_atol, err_msg=isolate)
+        np.testing.assert_allclose(ds.update_rms.values, raw, rtol=rms_rtol, err_msg=isolate)
+        np.testing.assert_allclose(ds.rms_scale.values, [1.0, raw[0] / raw[1]], rtol=rms_rtol, err_msg=isolate)
+        names = list(updates[0])
+        cosine = global_cosine([updates[0][n] for n in names], [updates[1][n] for n in names])
+        assert float(ds.update_cosine) == pytest.approx(cosine, rel=0, abs=cosine_atol), isolate
+        # Another rule's unit is far outside these tolerances (measured: NLL 0.035, benefit 0.013 apart).
+        for other, (other_nll, _, _) in references.items():
+            if other != isolate:
+                assert np.abs(other_nll - nll).max() > 100 * nll_atol, (isolate, other)
+                assert np.abs((other_nll[0] - other_nll[1]) - (nll[0] - nll[1])).max() > 100 * nll_atol
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
