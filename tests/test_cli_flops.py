@@ -1,6 +1,7 @@
 """`depthdiag flops`: the paper's modeled-compute ratios, the matched run, and bad input."""
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -21,6 +22,21 @@ PAPER_1B = {
 PAPER_MATCHED_UNIFORM_UPDATES = 3296
 ONE_POINT = 0.01  # one percentage point of uniform's compute
 MATCH_TOLERANCE = 0.01  # relative, on the matched run's update count
+
+
+def paper_200m_relative_to_uniform(k0: int, switch_step: int) -> float:
+    """Modeled compute of fixed-first (K0 = k0 for `switch_step` of 4,800 updates, then uniform:1-16, E[K] = 8.5)
+    relative to 4,800 uniform updates, for configs/paper-200m.toml worked by hand from its parameter counts: d = 1024,
+    swiglu width 64 x ceil(8 x 1024 / 3 / 64) = 2752, sandwich norms, 2/4/2 prelude/core/coda blocks, a concat
+    adapter, 2048 tokens. Per token, 6 FLOPs per parameter (forward and backward, LM head excluded) plus the QK^T
+    and AV matmuls over the full 2048 x 2048 scores, 4 x 2048 x 1024 per block forward and three times that with
+    the backward; every update costs once + K x per_iteration."""
+    block = 4 * 1024**2 + 3 * 1024 * 2752 + 4 * 1024  # qkv and proj, the three MLP matrices, four norms
+    attention = 3 * 4 * 2048 * 1024
+    once = 6 * (4 * block + 2 * 1024) + 4 * attention  # prelude and coda blocks, the loop and final norms
+    per_iteration = 6 * (2 * 1024**2 + 4 * block) + 4 * attention  # the adapter (2d -> d) and four core blocks
+    depth_sum = switch_step * k0 + (4800 - switch_step) * 8.5
+    return (4800 * once + depth_sum * per_iteration) / (4800 * (once + 8.5 * per_iteration))
 
 
 def run(*args):
@@ -46,6 +62,23 @@ def test_paper_200m_ratios_within_one_point():
         assert relative[spec] == pytest.approx(paper, abs=ONE_POINT), spec
 
 
+def test_paper_200m_ratios_are_the_hand_calculation_and_the_readme_prints_them():
+    # The switch steps: round(0.67 x 4800) = 3216, round(0.8 x 4800) = 3840.
+    by_hand = {
+        "fixed-first:k0=2,switch=0.67,finish=uniform:1-16": paper_200m_relative_to_uniform(2, 3216),
+        "fixed-first:k0=2,switch=0.8,finish=uniform:1-16": paper_200m_relative_to_uniform(2, 3840),
+        "fixed-first:k0=4,switch=0.67,finish=uniform:1-16": paper_200m_relative_to_uniform(4, 3216),
+        "fixed-first:k0=4,switch=0.8,finish=uniform:1-16": paper_200m_relative_to_uniform(4, 3840),
+    }
+    report = flops_json("configs/paper-200m.toml", "--updates", "4800", *schedule_args(by_hand))
+    readme = Path("README.md").read_text()
+    for row in report["schedules"]:
+        expected = by_hand[row["spec"]]
+        assert row["relative_to_uniform"] == pytest.approx(expected, rel=1e-9), row["spec"]
+        # The README's table: ours, then the paper's in brackets.
+        assert f" {expected:.1%} ({PAPER_200M[row['spec']]:.1%}) " in readme, row["spec"]
+
+
 def test_paper_1b_ratios_within_one_point():
     report = flops_json("configs/paper-1b.toml", *schedule_args(PAPER_1B))
     assert report["updates"] == 20000
@@ -62,8 +95,9 @@ def test_matched_uniform_run_for_the_200m_config_schedule():
     match = report["match"]
     assert match["reference"] == first["spec"]
     assert match["updates"] == pytest.approx(PAPER_MATCHED_UNIFORM_UPDATES, rel=MATCH_TOLERANCE)
-    # Uniform costs the same per update on average, so the matched count follows the ratio.
-    assert match["updates"] == round(4800 * first["relative_to_uniform"])
+    # Uniform costs the same per update on average, so the matched count is 4800 x the hand ratio 0.68162, rounded.
+    assert match["updates"] == round(4800 * paper_200m_relative_to_uniform(4, 3216)) == 3272
+    assert "3,272 updates (the paper: 3,296)" in Path("README.md").read_text()
 
 
 def test_table_output_lists_every_schedule_and_the_match():

@@ -12,11 +12,15 @@ from trainer.checkpoint import load_snapshot
 from trainer.train import latest_checkpoint, train
 
 UPDATES = 30
-LOSS_TOLERANCE = 0.01
-"""Largest relative difference of any logged loss from the fp32 eager run's, over 30 updates.
-bf16 rounds every matmul input to 8 bits of mantissa, so the trajectories drift apart slowly;
-measured on this config: 1.0e-3 (bf16), 1.6e-7 (compiled fp32, other fusion and rounding) and
-1.5e-3 (compiled bf16, the tiny config's default)."""
+# Largest relative difference of any logged loss from the fp32 eager run's over 30 updates, measured per setting
+# on this config (identical run to run; an Intel Xeon with native bf16, torch 2.13): bf16 5.6e-4 and compiled bf16
+# 1.07e-3, since bf16 rounds every matmul input to 8 bits of mantissa and the trajectories drift apart slowly
+# (1.0e-3 and 1.5e-3 were recorded here before: the drift varies by machine and kernel), and compiled fp32 1.5e-7
+# (other fusion, fp32 rounding). The bf16 tolerances are about 4.5x their measurement; compiled fp32's is 67x and
+# still ten times below a drift of 1e-4.
+BF16_TOLERANCE = 2.5e-3
+COMPILED_FP32_TOLERANCE = 1e-5
+COMPILED_BF16_TOLERANCE = 5e-3
 
 
 def losses(config, run_dir) -> np.ndarray:
@@ -34,9 +38,15 @@ def plain(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "setting", [{"precision": "bf16"}, {"compile": True}, {"precision": "bf16", "compile": True}], ids=str
+    "setting,tolerance",
+    [
+        ({"precision": "bf16"}, BF16_TOLERANCE),
+        ({"compile": True}, COMPILED_FP32_TOLERANCE),
+        ({"precision": "bf16", "compile": True}, COMPILED_BF16_TOLERANCE),
+    ],
+    ids=["bf16", "compiled-fp32", "compiled-bf16"],
 )
-def test_fast_path_follows_the_plain_loss_trajectory(plain, tmp_path, setting):
+def test_fast_path_follows_the_plain_loss_trajectory(plain, tmp_path, setting, tolerance):
     directory, reference = plain
     config = tiny_config(
         text_corpus(directory),
@@ -49,7 +59,7 @@ def test_fast_path_follows_the_plain_loss_trajectory(plain, tmp_path, setting):
     fast = losses(config, tmp_path / "run")
     assert fast.shape == reference.shape
     relative = np.abs(fast - reference) / reference
-    assert relative.max() < LOSS_TOLERANCE, relative.max()
+    assert relative.max() < tolerance, relative.max()
     if setting.get("precision") == "bf16":
         assert not np.array_equal(fast, reference)  # bf16 is really in use
     state = load_snapshot(latest_checkpoint(tmp_path / "run"))

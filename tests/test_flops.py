@@ -23,6 +23,12 @@ from trainer.schedules import parse_schedule
 
 TINY = load_config("configs/tiny.toml").model
 BATCH, SEQ = 2, 32
+FLOP_COUNTER_TOLERANCE = 0.002
+"""Relative tolerance of every modeled count against FlopCounterMode's. Measured: the model is above it by 0.119%
+to 0.148% in every comparison here (0.119% at K = 16, 0.140% at K = 1, 0.148% where attention dominates), all of
+it the norm weights, which the model counts as parameters and FlopCounterMode, counting matmuls only, does not.
+The excess is deterministic; 0.2% leaves a margin of 1.35x on the largest. Halving or doubling the attention term
+moves the tiny model's count by 1.8% or 3.6%, and the attention-dominated shape's by 34% or 69%."""
 
 
 def counted_flops(run) -> int:
@@ -33,8 +39,8 @@ def counted_flops(run) -> int:
     return counter.get_total_flops()
 
 
-def tokens(cfg: ModelConfig) -> torch.Tensor:
-    return torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+def tokens(cfg: ModelConfig, batch_size: int = BATCH, seq_len: int = SEQ) -> torch.Tensor:
+    return torch.randint(0, cfg.vocab_size, (batch_size, seq_len + 1), generator=torch.Generator().manual_seed(0))
 
 
 def training_update(model: LoopedTransformer, batch: torch.Tensor, depth: int):
@@ -68,7 +74,7 @@ def test_update_flops_with_head_match_flop_counter(depth):
     model = LoopedTransformer(TINY)
     measured = counted_flops(training_update(model, tokens(TINY), depth))
     modeled = update_flops(TINY, depth, batch_size=BATCH, seq_len=SEQ, include_embeddings=True)
-    assert modeled == pytest.approx(measured, rel=0.02)
+    assert modeled == pytest.approx(measured, rel=FLOP_COUNTER_TOLERANCE)
 
 
 def test_truncated_backprop_counts_forward_only_iterations_at_two_flops_per_parameter():
@@ -77,7 +83,7 @@ def test_truncated_backprop_counts_forward_only_iterations_at_two_flops_per_para
     model = LoopedTransformer(cfg)
     measured = counted_flops(training_update(model, tokens(cfg), 6))
     modeled = update_flops(cfg, 6, batch_size=BATCH, seq_len=SEQ, include_embeddings=True)
-    assert modeled == pytest.approx(measured, rel=0.02)
+    assert modeled == pytest.approx(measured, rel=FLOP_COUNTER_TOLERANCE)
     assert modeled < update_flops(TINY, 6, batch_size=BATCH, seq_len=SEQ, include_embeddings=True)
 
 
@@ -89,11 +95,23 @@ def test_eval_and_nll_by_depth_flops_match_flop_counter():
         forward = counted_flops(lambda: model(batch[:, :-1], depth=5))
         all_depths = counted_flops(lambda: model.nll_by_depth(batch[:, :-1], batch[:, 1:], [1, 3, 8]))
     assert eval_flops(TINY, 5, batch_size=BATCH, seq_len=SEQ, include_embeddings=True) == pytest.approx(
-        forward, rel=0.02
+        forward, rel=FLOP_COUNTER_TOLERANCE
     )
     assert nll_by_depth_flops(TINY, [1, 3, 8], batch_size=BATCH, seq_len=SEQ, include_embeddings=True) == pytest.approx(
-        all_depths, rel=0.02
+        all_depths, rel=FLOP_COUNTER_TOLERANCE
     )
+
+
+def test_attention_term_matches_flop_counter_where_attention_dominates():
+    # d_model 32 over 512 tokens: the QK^T and AV matmuls are 69% of the count (3.6% in the tiny model), so an error
+    # in the attention term shows whole instead of diluted. The math backend computes the full T x T scores before
+    # applying the causal mask, and FlopCounterMode counts what it computes: a term halved for causality fails here.
+    cfg = replace(TINY, d_model=32, n_heads=2, max_seq_len=512)
+    torch.manual_seed(0)
+    model = LoopedTransformer(cfg)
+    measured = counted_flops(training_update(model, tokens(cfg, batch_size=1, seq_len=512), 4))
+    modeled = update_flops(cfg, 4, batch_size=1, seq_len=512, include_embeddings=True)
+    assert modeled == pytest.approx(measured, rel=FLOP_COUNTER_TOLERANCE)
 
 
 def test_head_is_excluded_by_default():
