@@ -249,7 +249,7 @@ finishing-phase: $(FINISHING)/comparison.md
 # The tests cover the lm-evaluation-harness wrapper too, so they install the eval extra
 # (lm_eval and what it needs); the pipeline targets do without it.
 $(VENV)/.installed-eval: $(VENV)/.installed
-	$(PY) -m pip install --quiet -e ".[dev,eval]"
+	$(PY) -m pip install --quiet -e ".[dev,eval,wandb]"
 	touch $@
 
 test: $(VENV)/.installed-eval

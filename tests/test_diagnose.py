@@ -2,10 +2,10 @@
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -268,6 +268,30 @@ def comparable(path):
     return ds
 
 
+# `depthdiag diagnose ARGS...` whose second unit file, once written (atomically: on disk
+# under its name), is reported by a byte on the pipe whose write end is the first argument,
+# after which the command waits forever: the test kills it there, at a known point.
+HOLD_AFTER_TWO_UNITS = """
+import os, sys, threading
+from pathlib import Path
+import diag.run
+from diag.cli import main
+
+report, write, written = int(sys.argv[1]), diag.run.write_dataset, []
+
+def write_then_hold(ds, path):
+    write(ds, path)
+    if Path(path).parent.name.endswith(".parts"):
+        written.append(path)
+        if len(written) == 2:
+            os.write(report, b"2")
+            threading.Event().wait()
+
+diag.run.write_dataset = write_then_hold
+main(sys.argv[2:], prog_name="depthdiag")
+"""
+
+
 def test_killed_run_resumed_equals_uninterrupted_run(run, tmp_path, monkeypatch):
     args = [run[2], run[4], "--update-depths", "2,8", "--serving", "1-8", "--no-progress"]
     full = tmp_path / "full.h5"
@@ -277,22 +301,24 @@ def test_killed_run_resumed_equals_uninterrupted_run(run, tmp_path, monkeypatch)
     parts = tmp_path / "killed.h5.parts"
     # The same thread count as this process: float reductions may group differently otherwise.
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "diag.cli", "diagnose", *map(str, args), "--out", str(out)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if len(finished_parts(parts)) >= 2:
-            proc.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.005)
+    report, child_end = os.pipe()
+    with open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", HOLD_AFTER_TWO_UNITS, str(child_end), "diagnose", *map(str, args), "--out", out],
+            env=env,
+            pass_fds=(child_end,),
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+    os.close(child_end)  # the child's end only: a child that exits closes the pipe, and the read sees b""
+    with os.fdopen(report, "rb") as reported:
+        ready, _, _ = select.select([reported], [], [], 300)
+        word = reported.read(1) if ready else b"(no word in 300 s)"
+    proc.kill()
     proc.wait()
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()
+    assert word == b"2" and proc.returncode == -signal.SIGKILL, (word, (tmp_path / "stderr").read_text())
     finished = len(finished_parts(parts))
-    assert 2 <= finished < 2 * CARRIED and not out.exists()
+    assert finished == 2 and not out.exists()
 
     result = cli(*args, "--out", out)
     assert result.exit_code == 2 and "--resume" in result.output

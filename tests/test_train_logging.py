@@ -5,9 +5,13 @@ switch them on (old configs load and compare as before), and the TensorBoard and
 from __future__ import annotations
 
 import json
+import os
+import signal
+import struct
 import sys
-import types
+import zlib
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -22,7 +26,6 @@ from trainer.config import LoggingConfig, RunConfig, TrainConfig, load_config
 from trainer.flops import update_flops
 from trainer.model import IGNORE_INDEX
 from trainer.schedules import parse_schedule
-from trainer.sinks import scalars
 from trainer.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -200,53 +203,131 @@ def test_tensorboard_mirrors_the_metrics_lines(tmp_path, monkeypatch):
     assert [step for step, _ in logged["val/nll_depth_1"]] == [3, 7, 11]
 
 
-class FakeWandb(types.ModuleType):
-    """A stand-in `wandb` module recording the calls the sink makes."""
+@pytest.fixture
+def isolated_wandb(tmp_path, monkeypatch):
+    """The real wandb package with nothing reaching a network: no W&B setting of the machine
+    applies (an API key or WANDB_MODE would change what the sink does), its own files go to
+    tmp_path, and a request that slipped through would meet a closed local port, not
+    api.wandb.ai. A hung W&B service fails the test instead of hanging the suite, and the
+    service process has exited (wandb.teardown waits for it) before the next test starts."""
+    import wandb
 
-    def __init__(self):
-        super().__init__("wandb")
-        self.calls: list[tuple] = []
-
-    def init(self, **kwargs):
-        self.calls.append(("init", kwargs))
-        fake = self
-
-        class Run:
-            def log(self, values, step=None):
-                fake.calls.append(("log", values, step))
-
-            def finish(self):
-                fake.calls.append(("finish",))
-
-        return Run()
+    for name in [name for name in os.environ if name.startswith("WANDB_")]:
+        monkeypatch.delenv(name)
+    home = tmp_path / "wandb-home"
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(name, str(home))
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("WANDB_ERROR_REPORTING", "false")  # no crash reports to Sentry
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")  # leaves pytest's captured stdout alone
+    monkeypatch.setenv("WANDB_X_DISABLE_STATS", "true")  # no system-metrics sampler process
+    with deadline(300):
+        yield wandb
+    with deadline(60):
+        wandb.teardown()
 
 
-@pytest.mark.parametrize("environment", [None, "online"])
-def test_wandb_logs_offline_unless_the_environment_says_otherwise(tmp_path, monkeypatch, environment):
-    fake = FakeWandb()
-    monkeypatch.setitem(sys.modules, "wandb", fake)
-    if environment is None:
-        monkeypatch.delenv("WANDB_MODE", raising=False)
-    else:
-        monkeypatch.setenv("WANDB_MODE", environment)
+@contextmanager
+def deadline(seconds: int):
+    """TimeoutError in the main thread after `seconds` (it interrupts waits on sockets,
+    locks and child processes too)."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"W&B did not finish within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+LOG_BLOCK = 32 * 1024
+LOG_HEADER = b":W&B" + struct.pack("<HB", 0xBEE1, 0)
+"""A transaction log's first 7 bytes: its identifier, magic number and format version 0."""
+
+
+def wandb_records(path: Path) -> list:
+    """The records of a W&B transaction log (RUN/wandb/wandb/offline-run-*/run-ID.wandb, what
+    `wandb sync` uploads): after the header, LevelDB's log format, 32 KiB blocks of chunks
+    each with a header of crc32 (of its kind and data), length and kind (a whole record, or its
+    first, a middle or its last part), a block's tail too short for a header zeroed; each
+    record a serialised wandb.proto Record. wandb (0.31) has no public Python reader of it."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    data = path.read_bytes()
+    assert data[: len(LOG_HEADER)] == LOG_HEADER
+    records, pending, pos = [], b"", len(LOG_HEADER)
+    while pos + 7 <= len(data):
+        if LOG_BLOCK - pos % LOG_BLOCK < 7:
+            pos += LOG_BLOCK - pos % LOG_BLOCK
+            continue
+        crc, length, kind = struct.unpack_from("<IHB", data, pos)
+        chunk = data[pos + 7 : pos + 7 + length]
+        assert kind in (1, 2, 3, 4) and zlib.crc32(chunk, zlib.crc32(bytes([kind]))) == crc, f"bad chunk at {pos}"
+        pending += chunk
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or the last part of one
+            records.append(Record.FromString(pending))
+            pending = b""
+    assert not pending, "the log ends inside a record"
+    return records
+
+
+def offline_runs(run: Path) -> list[Path]:
+    return sorted((run / "wandb").rglob("offline-run-*/run-*.wandb"))
+
+
+def test_wandb_logs_every_metrics_line_offline(tmp_path, isolated_wandb):
     config = tiny_config(text_corpus(tmp_path), log_every=2).with_overrides(
         [*EVAL, "logging.wandb=true", "logging.wandb_project='tests'"]
     )
     run = tmp_path / "run"
     train(config, run, progress=False)
-    kinds = [call[0] for call in fake.calls]
-    assert kinds[0] == "init" and kinds[-1] == "finish" and kinds.count("init") == kinds.count("finish") == 1
-    init = fake.calls[0][1]
-    assert init["mode"] == (environment or "offline")
-    assert init["project"] == "tests" and init["name"] == "run" and init["dir"] == str(run / "wandb")
-    assert init["config"]["train"]["eval_every"] == 4 and init["config"]["resumed_from"] == 0
-    records = read_metrics(run)
-    logs = [call for call in fake.calls if call[0] == "log"]
-    assert [step for _, _, step in logs] == [r["step"] for r in records]
-    for (_, values, _), record in zip(logs, records):
-        assert values == scalars(record)
-        assert values["train/loss"] == record["loss"] and values["train/depth"] == record["depth"]
-        assert ("val/nll_depth_5" in values) == ("val_nll_5" in record)
+    # Offline (WANDB_MODE is unset): one W&B run, inside the run directory, finished.
+    [log] = offline_runs(run)
+    records = wandb_records(log)
+    kinds = [record.WhichOneof("record_type") for record in records]
+    assert kinds.count("run") == 1 and kinds[-1] == "exit"
+    [started] = [record.run for record in records if record.HasField("run")]
+    assert (started.project, started.display_name) == ("tests", "run")
+    config_items = {item.key: json.loads(item.value_json) for item in started.config.update if item.key != "_wandb"}
+    assert config_items == {**json.loads((run / "config.json").read_text()), "resumed_from": 0}
+
+    # One history row per metrics line, at its step, with its numbers under the sink's names.
+    metrics = read_metrics(run)
+    rows = [record.history for record in records if record.HasField("history")]
+    assert [row.step.num for row in rows] == [line["step"] for line in metrics] == [1, 3, 5, 7, 9, 11]
+    for row, line in zip(rows, metrics):
+        logged = {item.key or ".".join(item.nested_key): json.loads(item.value_json) for item in row.item}
+        assert logged["_step"] == line["step"]
+        expected = {
+            "train/loss": line["loss"],
+            "train/lr": line["lr"],
+            "train/grad_norm": line["grad_norm"],
+            "train/depth": line["depth"],
+            "train/tokens": line["tokens"],
+            "train/flops": line["flops"],
+            "train/wall_time": line["wall_time"],
+        }
+        if line["step"] in (3, 7, 11):
+            expected |= {f"val/nll_depth_{depth}": line[f"val_nll_{depth}"] for depth in (1, 2, 3, 5)}
+        # W&B adds its own keys (_step, _runtime, _timestamp).
+        assert {name: v for name, v in logged.items() if not name.startswith("_")} == expected, line["step"]
+
+
+def test_wandb_takes_the_mode_the_environment_sets(tmp_path, isolated_wandb, monkeypatch):
+    config = tiny_config(text_corpus(tmp_path), updates=4, log_every=2).with_overrides(["logging.wandb=true"])
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    train(config, tmp_path / "disabled", progress=False)
+    assert len(read_metrics(tmp_path / "disabled")) == 2 and offline_runs(tmp_path / "disabled") == []
+    # Online needs an API key, which the fixture took away: wandb refuses before it sends anything.
+    monkeypatch.setenv("WANDB_MODE", "online")
+    with pytest.raises(isolated_wandb.errors.UsageError, match="API key"):
+        train(config, tmp_path / "online", progress=False)
 
 
 @pytest.mark.parametrize("extra", ["wandb", "tensorboard"])

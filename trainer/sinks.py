@@ -92,7 +92,7 @@ class TensorBoardSink:
 class WandbSink:
     """A W&B run named after the run directory, its files in RUN/wandb, with the run config.
     Offline (nothing leaves the machine, nothing waits for a network) unless the environment
-    sets WANDB_MODE; `wandb sync RUN/wandb/offline-run-*` uploads an offline run later."""
+    sets WANDB_MODE; `wandb sync RUN/wandb/wandb/offline-run-*` uploads an offline run later."""
 
     def __init__(self, config: RunConfig, run_dir: Path, *, start: int):
         self.wandb = _require("wandb", "wandb")
