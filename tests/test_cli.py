@@ -83,7 +83,7 @@ def test_training_over_a_file_size_limit_fails_the_run_with_exit_3(toy_run, tmp_
 
 
 def test_eval_out_takes_the_lock_and_refuses_an_existing_file_unless_forced(toy_run, tmp_path):
-    from test_lock import start_holder
+    from helpers import start_holder
 
     snapshot = sorted((toy_run / "run" / "snapshots").glob("*.pt"))[0]
     out = tmp_path / "eval.h5"

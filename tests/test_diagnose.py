@@ -343,7 +343,7 @@ def listing(directory: Path) -> dict[str, bytes]:
 
 
 def test_a_live_runs_output_and_parts_are_never_touched_by_a_second_run(run, tmp_path):
-    from test_lock import start_holder
+    from helpers import start_holder
 
     out, parts = tmp_path / "r.h5", tmp_path / "r.h5.parts"
     parts.mkdir()

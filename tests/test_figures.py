@@ -297,7 +297,7 @@ def test_every_plot_error_names_the_results_file(tmp_path):
 
 
 def test_plot_refuses_an_existing_image_or_pdf_unless_forced_and_a_held_one(tmp_path):
-    from test_lock import start_holder
+    from helpers import start_holder
 
     path = tmp_path / "results.h5"
     write_dataset(results(), path)

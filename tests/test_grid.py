@@ -5,10 +5,10 @@ collected file with exactly one entry per cell."""
 import json
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -177,6 +177,34 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_snapshot(latest_checkpoint(run_dir), kind="checkpoint").model_state
 
 
+# The sitecustomize of the grid's processes: the run in HOLD_RUN, once it has written its
+# first checkpoint, says so on the FIFO HOLD_FIFO and trains no further, so the grid is
+# stopped mid-cell however slowly the machine runs. The grid starts its cells as
+# subprocesses with its descriptors closed: the hook reaches them through the environment,
+# and their signal comes back through a named pipe.
+HOLD_AFTER_CHECKPOINT = """
+import os
+import threading
+from pathlib import Path
+
+from trainer import train
+
+_write_checkpoint = train._Run._write_checkpoint
+
+
+def write_checkpoint_and_hold(run, step):
+    _write_checkpoint(run, step)
+    if Path(run.run_dir).resolve() == Path(os.environ["HOLD_RUN"]).resolve():
+        with open(os.environ["HOLD_FIFO"], "wb") as fifo:
+            fifo.write(b"1")
+            fifo.flush()
+            threading.Event().wait()  # until the process is ended (SIGTERM still acts as without the hook)
+
+
+train._Run._write_checkpoint = write_checkpoint_and_hold
+"""
+
+
 def test_a_killed_grid_resumes_its_interrupted_cell_bit_exactly_and_skips_finished_ones(folder):
     text = (
         '[set]\n"train.checkpoint_every" = 10\n[axes]\n'
@@ -184,17 +212,32 @@ def test_a_killed_grid_resumes_its_interrupted_cell_bit_exactly_and_skips_finish
     )
     grid = write_grid(folder, text)
     runs = folder / "runs"
-    command = [sys.executable, "-m", "diag.cli", "grid", "run", str(grid), "--runs", str(runs), "--no-progress"]
-    process = subprocess.Popen(command, cwd=folder, env=dict(os.environ, OMP_NUM_THREADS="1"))
     long_dir = runs / "schedule=long"
-    deadline = time.monotonic() + 120
-    while not (long_dir / "checkpoints" / "step_000010.pt").exists():
-        assert process.poll() is None and time.monotonic() < deadline, "the long cell never wrote a checkpoint"
-        time.sleep(0.05)
-    # SIGTERM, not SIGINT: a shell without job control starts background commands with
-    # SIGINT ignored, which would make this test depend on how it was launched.
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=60) != 0
+    hook = folder / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HOLD_AFTER_CHECKPOINT, encoding="utf-8")
+    fifo = folder / "checkpointed"
+    os.mkfifo(fifo)
+    # Opened before the grid starts and without blocking: the cell's open for writing then
+    # never waits, and the read end sees data only once the cell has written.
+    checkpointed = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    path = os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, HOLD_RUN=str(long_dir), HOLD_FIFO=str(fifo))
+    command = [sys.executable, "-m", "diag.cli", "grid", "run", str(grid), "--runs", str(runs), "--no-progress"]
+    process = subprocess.Popen(command, cwd=folder, env=env)
+    exited = os.pidfd_open(process.pid)  # readable once the grid has ended: a grid that fails is not waited out
+    try:
+        ready, _, _ = select.select([checkpointed, exited], [], [], 300)
+        written = os.read(checkpointed, 1) if checkpointed in ready else b""
+    finally:
+        # SIGTERM, not SIGINT: a shell without job control starts background commands with
+        # SIGINT ignored, which would make this test depend on how it was launched.
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+        os.close(exited)
+        os.close(checkpointed)
+    assert written == b"1", "the long cell never wrote a checkpoint"
+    assert process.returncode != 0
     spec = load_grid(grid)
     short, long = grid_cells(spec)
     assert cell_state(short, runs) == "finished"
@@ -206,7 +249,7 @@ def test_a_killed_grid_resumes_its_interrupted_cell_bit_exactly_and_skips_finish
     assert report.skipped == (short.name,) and report.trained == (long.name,)
     assert short_checkpoint.stat().st_mtime_ns == short_mtime
     summary = json.loads((long_dir / "summary.json").read_text())
-    assert summary["updates"] == 300 and summary["resumed_from"] > 0
+    assert summary["updates"] == 300 and summary["resumed_from"] == 10  # where the hook stopped it
 
     # The same cell trained without interruption ends with the same weights, to the bit.
     clean = run_grid(spec, folder / "clean", progress=False)

@@ -7,23 +7,10 @@ import subprocess
 import sys
 
 import pytest
+from helpers import start_holder
 
 from common.errors import InputError
 from common.lock import exclusive_output, lock_path
-
-HOLD = """
-import sys, time
-from common.lock import exclusive_output
-with exclusive_output(sys.argv[1]):
-    print("held", flush=True)
-    time.sleep(60)
-"""
-
-
-def start_holder(output):
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(output)], stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "held"
-    return holder
 
 
 def test_a_second_process_is_refused_with_the_holders_pid(tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import start_holder
 
 from common.errors import InputError, RunFailed
 from trainer.checkpoint import load_snapshot
@@ -235,15 +236,6 @@ def test_fresh_run_into_an_existing_run_is_refused(tmp_path):
         train(config, tmp_path / "empty", resume=True, progress=False)
 
 
-HOLD_LOCK = """
-import sys, time
-from common.lock import exclusive_output
-with exclusive_output(sys.argv[1]):
-    print("held", flush=True)
-    time.sleep(60)
-"""
-
-
 def tree_state(directory: Path) -> dict[Path, tuple[int, bytes | None]]:
     """Every path under `directory` with its mtime and, for files, its bytes."""
     return {p: (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None) for p in directory.rglob("*")}
@@ -267,9 +259,8 @@ def test_a_second_train_into_a_run_directory_in_use_is_refused_and_changes_nothi
     if resume:
         assert runner.invoke(main, ["train", str(config_file), "--out", str(run_dir), "--no-progress"]).exit_code == 0
     # Another process (a running `depthdiag train`, say) holds the run directory.
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(run_dir)], stdout=subprocess.PIPE, text=True)
+    holder = start_holder(run_dir)
     try:
-        assert holder.stdout.readline().strip() == "held"
         before = tree_state(tmp_path)
         where = ["--resume", str(run_dir)] if resume else ["--out", str(run_dir)]
         result = runner.invoke(main, ["train", str(config_file), *where, "--no-progress"])
