@@ -5,11 +5,12 @@ import numpy as np
 import pytest
 import torch
 
+from common.errors import InputError
 from trainer.bios import ATTRIBUTES, SEP, BiosSource, BiosSpec
 from trainer.config import load_config
 from trainer.data import TokenSource, build_source
 from trainer.model import LoopedTransformer, ModelConfig
-from trainer.scoring import logits_by_depth, recall_bits, score_recall
+from trainer.scoring import exact_values, logits_by_depth, nll_by_depth, recall_bits, score_recall
 
 CITY, EMPLOYER = ATTRIBUTES.index("birth city"), ATTRIBUTES.index("employer")
 
@@ -261,3 +262,66 @@ def test_attribute_eval_counts_exactly_the_attribute_values_of_evaluation_bios(s
             start += len(bio)
     assert checked >= 6 * (65 // spec.bio_length)
     assert torch.equal(mask, tokens[:, 1:] >= spec.first_value_token)
+
+
+def test_score_recall_reads_flags_as_truth_values_and_bits_in_float64():
+    cardinalities = (200, 28, 12, 100, 25, 67)
+    # Flags as a 0/255 byte mask: one exact template of five is one, not 255 of them.
+    one_template = np.zeros((2, 6, 5), dtype=np.uint8)
+    one_template[..., 0] = 255
+    assert score_recall(one_template, cardinalities) == 0.0
+    four_templates = np.zeros((2, 6, 5), dtype=np.uint8)
+    four_templates[0, :, :4] = 255
+    bits = sum(math.log2(c) for c in cardinalities)
+    assert score_recall(four_templates, cardinalities) == pytest.approx(bits / 2, rel=1e-12)
+    # Cardinalities in a narrow integer type: still float64 bits (float32 would be off by ~1e-7).
+    narrow = np.asarray(cardinalities, dtype=np.int16)
+    assert score_recall(np.ones((1, 6, 5), bool), narrow) == pytest.approx(bits, rel=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(3, 6), (3, 5, 5), (3, 6, 5, 1)])
+def test_score_recall_refuses_flags_of_another_shape(shape):
+    with pytest.raises(InputError, match=r"correct must be \[people, 6, templates\]"):
+        score_recall(np.ones(shape, bool), (200, 28, 12, 100, 25, 67))
+
+
+def test_exact_values_stay_on_the_tokens_device():
+    """The meta device (shapes only) stands in for an accelerator: no CPU tensor may enter."""
+    logits = torch.empty(2, 5, 9, device="meta")
+    tokens = torch.zeros(2, 5, dtype=torch.long, device="meta")
+    exact = exact_values(logits, tokens, tokens, 3)
+    assert exact.device.type == "meta" and exact.shape == (2, 3) and exact.dtype == torch.bool
+
+
+def test_scoring_a_looped_model_reads_every_depth_from_one_pass():
+    """max(depths) core iterations in all, not one forward per depth (1 + 3 + 4 = 8)."""
+    torch.manual_seed(0)
+    model = LoopedTransformer(ModelConfig(vocab_size=40, max_seq_len=8, d_model=16, n_heads=2, n_core=1))
+    iterations = []
+    model.core[0].register_forward_hook(lambda module, args, out: iterations.append(1))
+    with torch.no_grad():
+        depths = [depth for depth, _ in logits_by_depth(model, torch.zeros(2, 8, dtype=torch.long), [4, 1, 3])]
+    assert depths == [1, 3, 4] and len(iterations) == 4
+
+
+def test_nll_of_a_model_without_a_one_pass_readout_is_the_looped_models_own():
+    """One forward per depth (the fallback), with ignored targets and with substituted weights."""
+    torch.manual_seed(0)
+    model = LoopedTransformer(ModelConfig(vocab_size=40, max_seq_len=8, d_model=16, n_heads=2))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    x, y = torch.randint(0, 40, (3, 8)), torch.randint(0, 40, (3, 8))
+    y[0, :5] = -1
+    depths = [3, 1]
+    with torch.no_grad():
+        expected = model.nll_by_depth(x, y, depths)
+        torch.testing.assert_close(nll_by_depth(SeparateForwards(model), x, y, depths), expected, rtol=1e-6, atol=1e-6)
+        other = {name: t + 0.1 for name, t in model.state_dict().items()}
+        moved = LoopedTransformer(model.config)
+        moved.load_state_dict(other)
+        routed = {f"model.{name}": t for name, t in other.items()}
+        got = nll_by_depth(SeparateForwards(model), x, y, depths, state=lambda: routed)
+        torch.testing.assert_close(got, moved.nll_by_depth(x, y, depths), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(nll_by_depth(model, x, y, depths, state=lambda: other), got, rtol=1e-6, atol=1e-6)
+    assert (got - expected).abs().min() > 1e-3

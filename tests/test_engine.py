@@ -20,6 +20,8 @@ from diag.engine import (
     BiasCorrectionWarning,
     DiagnosticOptions,
     UpdateDiagnostic,
+    bias_correction_message,
+    clipped_gradients,
     global_cosine,
     global_rms,
     match_rms,
@@ -552,6 +554,11 @@ class ReturnsObject(ReturnsTuple):
         return NoLogits(self.inner(input_ids, depth=depth))
 
 
+class ReturnsLogitsTuple(ReturnsTuple):
+    def forward(self, input_ids, depth):
+        return Output(logits=(self.inner(input_ids, depth=depth),))
+
+
 class ReturnsLoss(ReturnsTuple):
     def forward(self, input_ids, depth):
         return self.inner(input_ids, depth=depth).mean(-1)  # [B, T]: not logits
@@ -559,7 +566,12 @@ class ReturnsLoss(ReturnsTuple):
 
 @pytest.mark.parametrize(
     ("wrapper", "named"),
-    [(ReturnsTuple, "returned a tuple"), (ReturnsObject, "returned a NoLogits"), (ReturnsLoss, "shape [4, 12]")],
+    [
+        (ReturnsTuple, "returned a tuple, not a tensor of logits"),
+        (ReturnsObject, "returned a NoLogits, not a tensor of logits"),
+        (ReturnsLogitsTuple, "returned a Output whose .logits is a tuple, not a tensor of logits"),
+        (ReturnsLoss, "shape [4, 12]"),
+    ],
 )
 def test_an_output_that_is_not_logits_is_named(wrapper, named):
     model = wrapper(tiny_model())
@@ -603,3 +615,425 @@ def test_compare_updates_warns_while_adams_bias_correction_dominates():
         warnings.simplefilter("error", BiasCorrectionWarning)
         diag.compare_updates(model, opt, *args, **kwargs)  # 6 steps: no warning
         diag.compare_updates(model, torch.optim.SGD(model.parameters(), lr=0.1), *args, **kwargs)
+
+
+# --- the pure arithmetic against hand computation ---------------------------------------------
+
+
+def test_match_rms_modes_against_hand_computation():
+    # u0: RMS sqrt((4 * 0.1^2 + 12 * 0.3^2) / 16) = sqrt(0.07), per tensor 0.1 and 0.3; u1: RMS 0.1, its
+    # second tensor zero; u2 exactly zero. Every update also holds an empty tensor. RMSs below one on purpose.
+    u0 = [torch.full((4,), 0.1), torch.full((12,), 0.3), torch.zeros(0)]
+    u1 = [torch.full((4,), -0.2), torch.zeros(12), torch.zeros(0)]
+    u2 = [torch.zeros(4), torch.zeros(12), torch.zeros(0)]
+    updates, r0, r1 = [u0, u1, u2], math.sqrt(0.07), 0.1
+
+    def filled(matched):
+        return [[(t.numel(), float(t[0]) if t.numel() else None) for t in u] for u in matched]
+
+    def approx(values):
+        return pytest.approx(values, rel=1e-6)
+
+    matched, scales = match_rms(updates, "reference")
+    assert scales == approx([1.0, r0 / r1, 1.0])
+    assert filled(matched) == [
+        [(4, approx(0.1)), (12, approx(0.3)), (0, None)],
+        [(4, approx(-0.2 * r0 / r1)), (12, 0.0), (0, None)],
+        [(4, 0.0), (12, 0.0), (0, None)],
+    ]
+    g = math.sqrt(r0 * r1)  # the geometric mean of the non-zero RMSs
+    matched, scales = match_rms(updates, "geomean")
+    assert scales == approx([g / r0, g / r1, 1.0])
+    assert float(matched[1][0][0]) == approx(-0.2 * g / r1) and float(matched[0][1][0]) == approx(0.3 * g / r0)
+    matched, scales = match_rms(updates, "none")
+    assert scales == [1.0, 1.0, 1.0] and all(a is b for m, u in zip(matched, updates) for a, b in zip(m, u))
+    # per-tensor: every tensor to the reference's RMS of that tensor; a zero tensor stays zero.
+    matched, scales = match_rms(updates, "per-tensor")
+    assert filled(matched) == [
+        [(4, approx(0.1)), (12, approx(0.3)), (0, None)],
+        [(4, approx(-0.1)), (12, 0.0), (0, None)],
+        [(4, 0.0), (12, 0.0), (0, None)],
+    ]
+    assert scales == approx([1.0, math.sqrt(4 * 0.01 / 16) / r1, 1.0])
+    for mode in ("reference", "geomean", "none", "per-tensor"):
+        assert match_rms([[], []], mode) == ([[], []], [1.0, 1.0]), mode
+
+
+def test_global_rms_and_cosine_against_hand_computation():
+    assert global_rms([]) == 0.0 and global_rms([torch.zeros(0)]) == 0.0
+    assert global_rms([torch.tensor([-3.0])]) == 3.0
+    assert global_rms([torch.tensor([3.0, 0.0]), torch.tensor([[0.0, 4.0], [0.0, 0.0]])]) == pytest.approx(
+        math.sqrt(25 / 6)
+    )
+    # Accumulated in float64: squares of fp32 entries near 1e20 would overflow in fp32.
+    assert global_rms([torch.full((4,), 1e20)]) == pytest.approx(1e20, rel=1e-6)
+    a = [torch.tensor([3.0, 0.0]), torch.tensor([[0.0, 4.0]])]  # |a| = 5
+    b = [torch.tensor([1.0, 1.0]), torch.tensor([[2.0, 0.0]])]  # |b| = sqrt(6), <a, b> = 3
+    assert global_cosine(a, b) == pytest.approx(3 / (5 * math.sqrt(6)), rel=1e-12)
+    zero = [torch.zeros(2), torch.zeros(1, 2)]
+    assert math.isnan(global_cosine(a, zero)) and math.isnan(global_cosine(zero, b))
+
+
+@pytest.mark.parametrize("max_norm", [0.004, 1.0])
+def test_clipped_gradients_are_clip_grad_norm_on_copies(max_norm):
+    """Against torch's clip_grad_norm_ on parameters holding the same gradients; the inputs are left alone."""
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(5, 3, generator=gen) * 1e-3, torch.randn(7, generator=gen) * 2e-3]  # total norm ~0.006
+    before = [g.clone() for g in grads]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(params, max_norm)
+    clipped = clipped_gradients(grads, max_norm)
+    for c, p in zip(clipped, params):
+        torch.testing.assert_close(c, p.grad, rtol=1e-6, atol=0)
+    assert all(torch.equal(g, b) for g, b in zip(grads, before))
+    assert (max_norm < 0.005) == any(not torch.equal(c, g) for c, g in zip(clipped, grads))
+    for off in (None, 0, 0.0):
+        assert clipped_gradients(grads, off) is grads
+    assert clipped_gradients([], max_norm) == []
+
+
+# --- options and input checks -----------------------------------------------------------------
+
+
+def test_options_accept_every_boundary_value():
+    options = DiagnosticOptions(
+        update_depths=[np.int64(1), 2], serving_depths=(1,), lr=1e-3, grad_clip=0.0, eval_batch_size=1, precision="bf16"
+    )
+    assert options.update_depths == (1, 2) and all(type(d) is int for d in options.update_depths)
+    assert DiagnosticOptions(grad_clip=0.5, depth_kwarg="num_steps").grad_clip == 0.5
+    for isolate in ("counterfactual", "linear", "none"):
+        DiagnosticOptions(isolate=isolate)
+    for mode in ("reference", "geomean", "per-tensor", "none"):
+        DiagnosticOptions(rms_match=mode)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"update_depths": (4, True)}, "update_depths must be positive integers, got True"),
+        ({"update_depths": (4, 2.0)}, "update_depths must be positive integers, got 2.0"),
+        ({"serving_depths": (1, 2, 1)}, r"serving_depths must not repeat a depth, got \[1, 2, 1\]"),
+        ({"serving_depths": ()}, "serving_depths must not be empty"),
+        ({"depth_kwarg": "num steps"}, "depth_kwarg must be a keyword name"),
+        ({"lr": 0.0}, "lr must be a positive number"),
+        ({"lr": math.inf}, "lr must be a positive number"),
+        ({"lr": math.nan}, "lr must be a positive number"),
+        ({"grad_clip": -0.1}, "grad_clip must be >= 0"),
+        ({"grad_clip": math.nan}, "grad_clip must be >= 0"),
+        ({"precision": "fp16"}, "precision must be one of"),
+        ({"eval_batch_size": 0}, "eval_batch_size must be >= 1"),
+    ],
+)
+def test_options_refuse_one_past_each_boundary(kwargs, match):
+    with pytest.raises(InputError, match=match):
+        DiagnosticOptions(**kwargs)
+
+
+def sgd_diagnostic(eval_tokens=None, model=None, eval_mask=None, **options):
+    model = tiny_model() if model is None else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    eval_tokens = tokens(3, 2) if eval_tokens is None else eval_tokens
+    options = DiagnosticOptions(update_depths=(1, 2), **options)
+    return UpdateDiagnostic(model, optimizer, eval_tokens, options, eval_mask=eval_mask)
+
+
+@pytest.mark.parametrize(
+    "bad, shown",
+    [
+        (torch.zeros(5, dtype=torch.long), r"got \(5,\)"),
+        (torch.zeros(2, 3, 4, dtype=torch.long), r"got \(2, 3, 4\)"),
+        (torch.zeros(3, 1, dtype=torch.long), r"got \(3, 1\)"),
+        ([[1, 2, 3]], "got list"),
+    ],
+)
+def test_token_tensors_of_the_wrong_shape_are_named(bad, shown):
+    diagnostic = sgd_diagnostic()
+    with pytest.raises(InputError, match=r"batch must be an integer tensor \[rows, T\+1\] with T >= 1, " + shown):
+        diagnostic.check_batch(bad)
+    with pytest.raises(InputError, match=r"eval_tokens must be an integer tensor \[rows, T\+1\] with T >= 1, " + shown):
+        sgd_diagnostic(eval_tokens=bad)
+
+
+def test_token_ids_are_integers_below_the_vocabulary():
+    diagnostic = sgd_diagnostic()
+    assert diagnostic.check_batch(torch.ones(2, 2, dtype=torch.int32)).dtype == torch.int64  # T = 1 is enough
+    with pytest.raises(InputError, match="batch must hold integer token ids, got torch.float32"):
+        diagnostic.check_batch(tokens(2, 3).float())
+    edge = tokens(2, 3)
+    edge[1, 2] = VOCAB  # one past the last id the logits cover
+    with pytest.raises(InputError, match=f"batch holds token id {VOCAB} but the model's logits have {VOCAB} entries"):
+        diagnostic.check_batch(edge)
+
+
+def test_an_evaluation_set_without_a_counted_target_is_named_as_such():
+    with pytest.raises(InputError, match="the evaluation set has no counted target"):
+        sgd_diagnostic(eval_tokens=torch.zeros(0, SEQ + 1, dtype=torch.long))
+    with pytest.raises(InputError, match="the evaluation set has no counted target"):
+        sgd_diagnostic(eval_mask=torch.zeros(3, SEQ, dtype=torch.bool))
+    # Even for a one-token vocabulary an empty set is empty, not an unknown token id.
+    one_token = LoopedTransformer(ModelConfig(vocab_size=1, max_seq_len=4, d_model=8, n_heads=2))
+    with pytest.raises(InputError, match="no counted target"):
+        sgd_diagnostic(eval_tokens=torch.zeros(0, 5, dtype=torch.long), model=one_token)
+    # One counted target is enough.
+    only_one = torch.zeros(3, SEQ, dtype=torch.bool)
+    only_one[1, 4] = True
+    assert sgd_diagnostic(eval_mask=only_one, serving_depths=(1,)).nll_before.shape == (1,)
+
+
+@pytest.mark.parametrize(
+    "bad", [np.ones((3, SEQ), dtype=bool), torch.ones(3, SEQ), torch.ones(3, SEQ - 1, dtype=torch.bool)]
+)
+def test_an_eval_mask_that_is_not_a_bool_tensor_of_the_targets_shape_is_refused(bad):
+    with pytest.raises(InputError, match=r"eval_mask must be a bool tensor of the targets' shape \[3, 12\]"):
+        sgd_diagnostic(eval_mask=bad)
+
+
+class KeywordOnly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(1))
+
+    def forward(self, *, num_steps, cache=None):
+        raise AssertionError("never called: the keyword check comes first")
+
+
+class InputThenKeywordOnly(KeywordOnly):
+    def forward(self, input_ids, *, num_steps):
+        raise AssertionError
+
+
+class TwoKeywords(KeywordOnly):
+    def forward(self, input_ids, num_steps, cache=None):
+        raise AssertionError
+
+
+class InputOnly(KeywordOnly):
+    def forward(self, input_ids):
+        raise AssertionError
+
+
+class NoArguments(KeywordOnly):
+    def forward(self):
+        raise AssertionError
+
+
+@pytest.mark.parametrize(
+    "model, accepted",
+    [
+        (KeywordOnly(), "(it accepts num_steps, cache)"),
+        (InputThenKeywordOnly(), "(it accepts num_steps)"),
+        (TwoKeywords(), "(it accepts num_steps, cache)"),
+        (InputOnly(), "(it accepts no keyword besides the input)"),
+        (NoArguments(), "(it accepts no keyword besides the input)"),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, nn.Module) else "",
+)
+def test_the_keywords_a_forward_accepts_are_listed_without_the_input(model, accepted):
+    with pytest.raises(InputError) as caught:
+        UpdateDiagnostic(model, torch.optim.SGD(model.parameters(), lr=0.1), tokens(2, 1))
+    assert f"{type(model).__name__}.forward takes no keyword 'depth' {accepted}; depth_kwarg names" in str(caught.value)
+
+
+def test_bias_correction_message_until_three_over_one_minus_beta2_steps():
+    model = nn.Linear(3, 2)
+    assert bias_correction_message(torch.optim.SGD(model.parameters(), lr=0.1)) is None
+    # Group 0's beta2 sets the bound (0.5: 3 / (1 - 0.5) = 6 steps); group 1's would ask for 3000.
+    optimizer = torch.optim.Adam(
+        [{"params": [model.weight], "betas": (0.9, 0.5)}, {"params": [model.bias], "betas": (0.9, 0.999)}], lr=1e-3
+    )
+    assert bias_correction_message(optimizer) == (
+        "the optimizer has taken 0 steps (< 3 / (1 - beta2) = 6), so Adam's bias correction makes its updates "
+        "sign-like and the diagnostic reflects normalisation more than curvature; diagnose a state from later "
+        "in training (docs/diagnostic.md)"
+    )
+    for step in range(1, 7):
+        model(torch.ones(1, 3)).sum().backward()
+        optimizer.step()
+        message = bias_correction_message(optimizer)
+        if step < 6:
+            assert f"has taken {step} steps (< 3 / (1 - beta2) = 6)" in message
+    assert message is None
+
+
+def test_compare_updates_warns_once_for_a_young_adam_and_not_for_a_mature_one():
+    """The warning itself (its caller-facing line has its own test, which mutmut's extra frame breaks)."""
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.5))
+    args, kwargs = (model, optimizer, tokens(4, 1), tokens(4, 2)), dict(update_depths=(1, 2), serving_depths=(1,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        diag.compare_updates(*args, **kwargs)
+    assert [w.category for w in caught] == [BiasCorrectionWarning]
+    assert str(caught[0].message).startswith("the optimizer has taken 0 steps (< 3 / (1 - beta2) = 6)")
+    trained(model, optimizer, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        diag.compare_updates(*args, **kwargs)
+
+
+# --- what the diagnostic holds, runs and returns ----------------------------------------------
+
+
+def test_unit_dataset_names_its_axes_settings_and_groups():
+    model = tiny_model()
+    core = [p for n, p in model.named_parameters() if n.startswith("core.")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("core.")]
+    optimizer = torch.optim.SGD([{"params": rest, "lr": 0.1}, {"params": core, "lr": 0.02}], momentum=0.9)
+    ds = diag.compare_updates(
+        model, optimizer, tokens(4, 1), tokens(4, 2), update_depths=(3, 1), serving_depths=(2, 5), precision="bf16"
+    )
+    assert ds.update_depth.values.tolist() == [3, 1] and ds.serving_depth.values.tolist() == [2, 5]
+    assert {name: ds[name].dims for name in ds.data_vars} == {
+        "nll": ("update_depth", "serving_depth"),
+        "nll_before": ("serving_depth",),
+        "benefit": ("serving_depth",),
+        "update_rms": ("update_depth",),
+        "rms_scale": ("update_depth",),
+        "update_cosine": (),
+        "train_loss": ("update_depth",),
+    }
+    assert all(ds[name].dtype == np.float64 for name in ds.data_vars)
+    assert ds.attrs == {
+        "isolate": "counterfactual",
+        "rms_match": "reference",
+        "lr": 0.1,
+        "optimizer": "SGD",
+        "grad_clip": 0.0,
+        "precision": "bf16",
+        "group_lrs": "[0.1, 0.02]",
+    }
+    assert ds.benefit.attrs["description"] == (
+        "NLL after the update at depth 3 minus NLL after the update at depth 1; positive favours the depth-1 update"
+    )
+    one_group = diag.compare_updates(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        tokens(4, 1),
+        tokens(4, 2),
+        update_depths=(1, 2),
+        serving_depths=(1,),
+        grad_clip=0.5,
+    )
+    assert one_group.attrs["grad_clip"] == 0.5 and "group_lrs" not in one_group.attrs
+
+
+def test_three_update_depths_compare_cosine_and_benefit_of_first_and_last():
+    model, opt = adamw_setup()
+    batch, eval_tokens, depths = seen_batch(), tokens(4, 2), (2, 4, 6)
+    ds = diag.compare_updates(
+        model, opt, batch, eval_tokens, update_depths=depths, serving_depths=(1, 6), grad_clip=CLIP
+    )
+    nll, _, updates = reference_unit(model, opt, batch, eval_tokens, depths, (1, 6))
+    first, last = (
+        np.concatenate([u[n].double().flatten().numpy() for n in updates[0]]) for u in (updates[0], updates[-1])
+    )
+    cosine = first @ last / (np.linalg.norm(first) * np.linalg.norm(last))
+    middle = np.concatenate([updates[1][n].double().flatten().numpy() for n in updates[0]])
+    assert abs(cosine - first @ middle / (np.linalg.norm(first) * np.linalg.norm(middle))) > 1e-3  # the pair matters
+    assert float(ds.update_cosine) == pytest.approx(cosine, abs=1e-6)
+    np.testing.assert_allclose(ds.benefit.values, nll[0] - nll[-1], rtol=0, atol=1e-5)
+
+
+def test_a_partly_frozen_model_updates_only_what_the_optimizer_steps():
+    """A frozen embedding outside the optimizer and a frozen parameter inside it: the unit is the hand
+    reference's, the frozen ones never move, and later edits of the model are not seen (a snapshot)."""
+    model = tiny_model()
+    model.embed.weight.requires_grad_(False)
+    model.head.weight.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for n, p in model.named_parameters() if n != "embed.weight"], lr=1e-2)
+    trained(model, optimizer, 2)
+    batch, eval_tokens = tokens(4, 1), tokens(4, 2)
+    nll, _, _ = reference_unit(model, optimizer, batch, eval_tokens, (1, 3), (1, 2))
+    nll_before = reference_nll(model, eval_tokens, "depth", (1, 2))
+    diagnostic = UpdateDiagnostic(
+        model, optimizer, eval_tokens, DiagnosticOptions(update_depths=(1, 3), serving_depths=(1, 2), grad_clip=CLIP)
+    )
+    # The optimizer's fp32 clones are the diagnostic's theta, not a second copy.
+    assert all(diagnostic.theta[n] is t for n, t in zip(diagnostic.stepped, diagnostic.step.theta))
+    with torch.no_grad():
+        model.embed.weight.add_(1.0)  # after the snapshot: must not be seen
+    np.testing.assert_allclose(diagnostic.nll_before, nll_before, rtol=0, atol=2e-6)
+    _, grads = diagnostic.gradient(batch, 1)
+    assert "embed.weight" not in diagnostic.stepped
+    assert torch.equal(grads[diagnostic.stepped.index("head.weight")], torch.zeros(VOCAB, 32))
+    ds = diagnostic.compare(batch)
+    np.testing.assert_allclose(ds.nll.values, nll, rtol=0, atol=2e-6)
+
+
+def test_a_bf16_model_is_diagnosed_in_fp32():
+    model = tiny_model()
+    reference = copy.deepcopy(model)
+    model.bfloat16()
+    optimizer = torch.optim.SGD([p for n, p in model.named_parameters() if n.startswith("core.")], lr=0.1)
+    diagnostic = UpdateDiagnostic(
+        model, optimizer, tokens(4, 2), DiagnosticOptions(update_depths=(1, 2), serving_depths=(1, 3))
+    )
+    assert all(t.dtype == torch.float32 for t in diagnostic.theta.values())
+    reference.load_state_dict({n: t.float() for n, t in model.state_dict().items()})
+    np.testing.assert_allclose(
+        diagnostic.nll_before, reference_nll(reference, tokens(4, 2), "depth", (1, 3)), atol=2e-6
+    )
+
+
+class Recording(nn.Module):
+    """Records (input shape, training mode) of every forward of a wrapped model."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.calls = inner, []
+
+    def forward(self, input_ids, depth):
+        self.calls.append((tuple(input_ids.shape), self.training))
+        return self.inner(input_ids, depth=depth)
+
+
+def test_forwards_run_in_their_modes_and_evaluation_chunks_of_32_rows_by_default():
+    """The vocabulary probe: one evaluation chunk's shape, eval mode. Gradients: training mode. Evaluations:
+    eval mode, chunks of 32 rows (the default), with the counted targets read once, not per evaluation."""
+    model = Recording(tiny_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    eval_tokens = tokens(33, 2)
+    diagnostic = UpdateDiagnostic(
+        model, optimizer, eval_tokens, DiagnosticOptions(update_depths=(1, 2), serving_depths=(1,))
+    )
+    assert model.calls == [((32, SEQ), False)]
+    model.calls.clear()
+    ds = diagnostic.compare(tokens(4, 1))
+    assert model.calls == [((4, SEQ), True)] * 2 + [((32, SEQ), False), ((1, SEQ), False)] * 3
+    model.calls.clear()
+    one_shot = diag.compare_updates(
+        model, optimizer, tokens(4, 1), eval_tokens, update_depths=(1, 2), serving_depths=(1,)
+    )
+    assert model.calls == [((32, SEQ), False)] + [((4, SEQ), True)] * 2 + [((32, SEQ), False), ((1, SEQ), False)] * 3
+    assert model.training and ds.sizes == one_shot.sizes == {"update_depth": 2, "serving_depth": 1}
+
+
+def test_evaluations_reuse_the_counts_read_at_construction(monkeypatch):
+    import trainer.scoring
+
+    model, opt = adamw_setup(steps=1)
+    diagnostic = UpdateDiagnostic(
+        model, opt, tokens(7, 11), DiagnosticOptions(update_depths=(1, 2), serving_depths=(1,), eval_batch_size=3)
+    )
+
+    def stalls(*args, **kwargs):
+        raise AssertionError("counted targets read again")
+
+    monkeypatch.setattr(trainer.scoring, "chunk_counts", stalls)
+    assert np.isfinite(diagnostic.compare(tokens(4, 1)).nll.values).all()
+
+
+def test_bf16_means_bf16_whatever_autocasts_default_dtype():
+    model, opt = adamw_setup()
+    batch = tokens(4, 16)
+    diagnostic = UpdateDiagnostic(model, opt, tokens(2, 17), DiagnosticOptions(precision="bf16"))
+    expected = training_loss(copy.deepcopy(model), batch, 3, precision="bf16")
+    before = torch.get_autocast_dtype("cpu")
+    torch.set_autocast_dtype("cpu", torch.float16)
+    try:
+        loss, _ = diagnostic.gradient(batch, 3)
+    finally:
+        torch.set_autocast_dtype("cpu", before)
+    assert loss == expected.item()

@@ -1,8 +1,11 @@
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
+from common.errors import InputError
 from trainer.model import EXPLICIT_ATTENTION_MAX_LEN, LoopedTransformer, ModelConfig, _cpu_low_precision_attention
 
 SMALL = dict(vocab_size=40, max_seq_len=16, d_model=32, n_heads=2, n_prelude=1, n_core=2, n_coda=1)
@@ -60,7 +63,8 @@ def test_ignored_targets_are_skipped():
 
 
 @pytest.mark.parametrize(
-    "variant", [dict(), dict(n_coda=0), dict(n_coda=2, norm="sandwich", mlp="swiglu", injection="add")]
+    "variant",
+    [dict(), dict(n_coda=0), dict(n_coda=2, norm="sandwich", mlp="swiglu", injection="add"), dict(n_coda=3)],
 )
 def test_ignored_targets_are_not_read_out(variant):
     """With some targets ignored, only the counted tokens reach the head (and the last coda
@@ -209,6 +213,12 @@ def test_cpu_bf16_attention_is_causal_attention_to_bf16_rounding(T):
     got = _cpu_low_precision_attention(q, k, v)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), reference, rtol=0, atol=2e-2)
+    if T > EXPLICIT_ATTENTION_MAX_LEN:
+        # Past the explicit length: fp32 attention rounded once to bf16, also inside the autocast
+        # region the model runs it in (which must not round q, k, v to bf16 again).
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            in_autocast = _cpu_low_precision_attention(q, k, v)
+        assert torch.equal(got, reference.bfloat16()) and torch.equal(in_autocast, got)
     grad = torch.randn_like(reference)
     got_grads = torch.autograd.grad(got, (q, k, v), grad.bfloat16())
     reference_grads = torch.autograd.grad(reference, reference_inputs, grad)
@@ -222,7 +232,9 @@ def test_cpu_bf16_attention_is_causal_attention_to_bf16_rounding(T):
     assert not torch.equal(changed[..., -1, :], got.detach()[..., -1, :])
 
 
-@pytest.mark.parametrize("T, fused_calls", [(8, 0), (EXPLICIT_ATTENTION_MAX_LEN + 1, 1 + 2 * 2 + 1)])
+@pytest.mark.parametrize(
+    "T, fused_calls", [(8, 0), (EXPLICIT_ATTENTION_MAX_LEN, 0), (EXPLICIT_ATTENTION_MAX_LEN + 1, 1 + 2 * 2 + 1)]
+)
 def test_cpu_bf16_attention_calls_the_fused_kernel_in_fp32_only_past_the_explicit_length(monkeypatch, T, fused_calls):
     seen = []
     real = F.scaled_dot_product_attention
@@ -237,3 +249,297 @@ def test_cpu_bf16_attention_calls_the_fused_kernel_in_fp32_only_past_the_explici
         model(torch.randint(0, 32, (2, T)), depth=2)
     assert len(seen) == fused_calls  # prelude, core x depth, coda: all explicit, or all fused in fp32
     assert set(seen) <= {(torch.float32,) * 3}
+
+
+# --- the model against a transformer written out by hand ----------------------------------------
+
+
+def reference_logits(model: LoopedTransformer, x: torch.Tensor, depth: int) -> torch.Tensor:
+    """The looped transformer of the module docstring in plain tensor operations on the model's own
+    parameters (live, so autograd reaches them): RMSNorm, interleaved-pair rotary embeddings with
+    base 10000, causal softmax attention, the MLP, the injection and the loop, all spelled out."""
+    cfg = model.config
+    p = dict(model.named_parameters(remove_duplicate=False))  # a tied head keeps its own name
+
+    def norm(h, name):
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * p[f"{name}.weight"]
+
+    def rotate(t):  # [B, H, T, Dh]: pair (2i, 2i+1) at position n turns by n * 10000^(-2i / Dh)
+        T, Dh = t.shape[-2:]
+        angles = torch.outer(torch.arange(T, dtype=torch.float64), 10000.0 ** (-torch.arange(0, Dh, 2) / Dh))
+        cos, sin = angles.cos().float(), angles.sin().float()
+        even, odd = t[..., 0::2], t[..., 1::2]
+        return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+
+    def attention(h, name):
+        B, T, d = h.shape
+        heads = [t.reshape(B, T, cfg.n_heads, -1).transpose(1, 2) for t in (h @ p[f"{name}.qkv.weight"].T).split(d, -1)]
+        q, k, v = rotate(heads[0]), rotate(heads[1]), heads[2]
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf)
+        return (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, d) @ p[f"{name}.proj.weight"].T
+
+    def mlp(h, name):
+        up = h @ p[f"{name}.up.weight"].T
+        hidden = F.silu(h @ p[f"{name}.gate.weight"].T) * up if cfg.mlp == "swiglu" else F.gelu(up)
+        return hidden @ p[f"{name}.down.weight"].T
+
+    def block(h, name):
+        def post(t, which):
+            return norm(t, f"{name}.{which}") if cfg.norm == "sandwich" else t
+
+        h = h + post(attention(norm(h, f"{name}.attn_norm"), f"{name}.attn"), "attn_post_norm")
+        return h + post(mlp(norm(h, f"{name}.mlp_norm"), f"{name}.mlp"), "mlp_post_norm")
+
+    e = p["embed.weight"][x]
+    for i in range(cfg.n_prelude):
+        e = block(e, f"prelude.{i}")
+    if cfg.init_state == "zeros":
+        state = torch.zeros_like(e)
+    else:
+        noise = torch.randn(e.shape, generator=torch.Generator().manual_seed(cfg.state_noise_seed), dtype=torch.float32)
+        state = cfg.state_noise_std * noise
+    for _ in range(depth):
+        h = torch.cat((state, e), -1) @ p["adapter.weight"].T if cfg.injection == "concat" else state + e
+        for i in range(cfg.n_core):
+            h = block(h, f"core.{i}")
+        state = h
+    h = norm(state, "loop_norm")
+    for i in range(cfg.n_coda):
+        h = block(h, f"coda.{i}")
+    return norm(h, "final_norm") @ p["head.weight"].T
+
+
+# Shapes that differ from one another (B, T, heads, head width, d, V, MLP width), so a transposed or
+# misread axis cannot pass; a norm epsilon large enough to move every norm's output.
+ODD = dict(vocab_size=37, max_seq_len=9, d_model=24, n_heads=3, norm_eps=0.05)
+ARCHITECTURES = {
+    "pre-gelu-concat": dict(ODD, n_prelude=1, n_core=2, n_coda=1),
+    "sandwich-swiglu-add-noise-tied": dict(
+        ODD,
+        n_prelude=2,
+        n_core=1,
+        n_coda=2,
+        norm="sandwich",
+        mlp="swiglu",
+        injection="add",
+        init_state="noise",
+        state_noise_std=0.7,
+        state_noise_seed=5,
+        tie_embeddings=True,
+        d_ff=40,
+    ),
+    "input-adapter-noise-no-prelude-no-coda": dict(
+        ODD, n_prelude=0, n_core=3, n_coda=0, adapter_init="input", init_state="noise", state_noise_seed=3
+    ),
+}
+
+
+@pytest.mark.parametrize("changes", ARCHITECTURES.values(), ids=ARCHITECTURES.keys())
+def test_forward_is_the_looped_transformer_written_out_by_hand(changes):
+    model = trained_like(ModelConfig(**changes))
+    x = torch.randint(0, 37, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        outputs = {depth: model(x, depth=depth) for depth in (1, 3)}
+        for depth, logits in outputs.items():
+            assert logits.shape == (2, 7, 37)
+            torch.testing.assert_close(logits, reference_logits(model, x, depth), rtol=1e-4, atol=1e-5)
+    assert (outputs[1] - outputs[3]).abs().max() > 1e-3  # the depths differ: the loop ran
+
+
+@pytest.mark.parametrize("changes", [ARCHITECTURES["pre-gelu-concat"], dict(ODD, backprop_depth=3)])
+def test_gradient_reaches_every_iteration_as_by_hand(changes):
+    """Full backprop (and truncation deeper than the depth) takes every iteration's gradient."""
+    model = trained_like(ModelConfig(**changes))
+    x, y = torch.randint(0, 37, (2, 7)), torch.randint(0, 37, (2, 7))
+    params = list(model.parameters())
+    got = torch.autograd.grad(F.cross_entropy(model(x, depth=3).flatten(0, 1), y.flatten()), params)
+    expected = torch.autograd.grad(F.cross_entropy(reference_logits(model, x, 3).flatten(0, 1), y.flatten()), params)
+    for (name, _), g, r in zip(model.named_parameters(), got, expected):
+        torch.testing.assert_close(g, r, rtol=1e-3, atol=1e-6, msg=name)
+
+
+def expected_shapes(cfg: ModelConfig, ff: int) -> dict[str, tuple[int, ...]]:
+    """Every checkpointed tensor of the model and its shape, from the module docstring; bias-free linears."""
+    d, V = cfg.d_model, cfg.vocab_size
+    shapes = {"embed.weight": (V, d), "loop_norm.weight": (d,), "final_norm.weight": (d,), "head.weight": (V, d)}
+    if cfg.injection == "concat":
+        shapes["adapter.weight"] = (d, 2 * d)
+    blocks = [f"prelude.{i}" for i in range(cfg.n_prelude)] + [f"core.{i}" for i in range(cfg.n_core)]
+    for name in blocks + [f"coda.{i}" for i in range(cfg.n_coda)]:
+        shapes |= {
+            f"{name}.attn_norm.weight": (d,),
+            f"{name}.attn.qkv.weight": (3 * d, d),
+            f"{name}.attn.proj.weight": (d, d),
+            f"{name}.mlp_norm.weight": (d,),
+            f"{name}.mlp.up.weight": (ff, d),
+            f"{name}.mlp.down.weight": (d, ff),
+        }
+        if cfg.mlp == "swiglu":
+            shapes[f"{name}.mlp.gate.weight"] = (ff, d)
+        if cfg.norm == "sandwich":
+            shapes |= {f"{name}.attn_post_norm.weight": (d,), f"{name}.mlp_post_norm.weight": (d,)}
+    return shapes
+
+
+@pytest.mark.parametrize(
+    "changes, ff",
+    [
+        (dict(d_model=32, n_heads=2), 128),  # gelu: 4 d
+        (dict(d_model=48, n_heads=2, mlp="swiglu", norm="sandwich", injection="add", n_coda=2), 128),  # 8/3 d to 64
+        (dict(d_model=32, n_heads=2, d_ff=40, tie_embeddings=True), 40),
+    ],
+)
+def test_checkpoint_holds_exactly_the_documented_tensors(changes, ff):
+    """The rotary tables are derived from the config, so they stay out of the checkpoint."""
+    cfg = ModelConfig(vocab_size=40, max_seq_len=16, **changes)
+    model = LoopedTransformer(cfg)
+    assert {name: tuple(t.shape) for name, t in model.state_dict().items()} == expected_shapes(cfg, ff)
+    assert {name for name, _ in model.named_buffers()} == {"rotary.cos", "rotary.sin"}
+    assert (model.head.weight is model.embed.weight) == cfg.tie_embeddings
+
+
+def test_initialisation_follows_the_documented_scales():
+    """Linear and embedding weights N(0, init_std), residual projections N(0, init_std / sqrt(2 * blocks))
+    counting each block once, norms at one, the adapter [I | I] ('sum')."""
+    cfg = ModelConfig(
+        vocab_size=300, max_seq_len=8, d_model=64, n_heads=2, n_prelude=2, n_core=1, n_coda=1, init_std=0.05
+    )
+    torch.manual_seed(0)
+    model = LoopedTransformer(cfg)
+    residual_std = 0.05 / math.sqrt(2 * 4)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            assert torch.equal(p, torch.ones(64)), name
+        elif name == "adapter.weight":
+            assert torch.equal(p, torch.cat((torch.eye(64), torch.eye(64)), dim=1))
+        else:
+            std = residual_std if name.endswith(("attn.proj.weight", "mlp.down.weight")) else 0.05
+            # 4096 or more draws: the sample deviation is within 3% of the true one (2.2% at 4096).
+            assert float(p.detach().std()) == pytest.approx(std, rel=0.05), name
+            assert abs(float(p.detach().mean())) < 0.1 * std, name
+
+
+def test_a_bf16_model_with_a_noise_state_runs_in_bf16_near_its_fp32_self():
+    model = trained_like(ModelConfig(**ARCHITECTURES["pre-gelu-concat"], init_state="noise", state_noise_std=0.5))
+    x = torch.randint(0, 37, (2, 7))
+    with torch.no_grad():
+        expected = reference_logits(model, x, 2)
+        logits = model.bfloat16()(x, depth=2)
+    assert logits.dtype == torch.bfloat16
+    torch.testing.assert_close(logits.float(), expected, rtol=0, atol=0.05)
+
+
+def test_output_does_not_depend_on_torchs_default_dtype():
+    """The noise state is drawn in float32 whatever the default dtype: the same model, the same logits."""
+    model = trained_like(ModelConfig(**ARCHITECTURES["input-adapter-noise-no-prelude-no-coda"]))
+    x = torch.randint(0, 37, (2, 7))
+    with torch.no_grad():
+        expected = model(x, depth=2)
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            got = model(x, depth=2)
+        finally:
+            torch.set_default_dtype(before)
+    assert torch.equal(got, expected)
+
+
+def test_noise_state_lands_on_the_inputs_device():
+    """The meta device (shapes only) stands in for an accelerator: the CPU-drawn noise must follow e."""
+    model = LoopedTransformer(ModelConfig(**ARCHITECTURES["pre-gelu-concat"], init_state="noise")).to("meta")
+    logits = model(torch.zeros(2, 7, dtype=torch.long, device="meta"), depth=2)
+    assert logits.device.type == "meta" and logits.shape == (2, 7, 37)
+
+
+def test_a_sequence_at_max_seq_len_runs_and_one_longer_is_refused():
+    model = LoopedTransformer(ModelConfig(**ODD))
+    assert model(torch.zeros(1, 9, dtype=torch.long), depth=1).shape == (1, 9, 37)
+    with pytest.raises(InputError, match="sequence length 10 exceeds model.max_seq_len=9"):
+        model(torch.zeros(1, 10, dtype=torch.long), depth=1)
+
+
+# --- the configuration ----------------------------------------------------------------------
+
+
+def test_config_accepts_every_boundary_value():
+    smallest = ModelConfig(vocab_size=1, max_seq_len=1, d_model=2, n_heads=1, n_core=1, n_prelude=0, n_coda=0)
+    assert smallest.d_ff == 0 and smallest.backprop_depth == 0
+    ModelConfig(state_noise_std=0.0, init_std=1.0, norm_eps=1.0, d_model=24, n_heads=3)
+    for name, allowed in {
+        "mlp": ("gelu", "swiglu"),
+        "norm": ("pre", "sandwich"),
+        "injection": ("concat", "add"),
+        "adapter_init": ("sum", "input"),
+        "init_state": ("zeros", "noise"),
+    }.items():
+        for value in allowed:
+            assert getattr(ModelConfig(**{name: value}), name) == value
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        *[(dict([(name, 0)]), f"model.{name} must be >= 1") for name in ("vocab_size", "max_seq_len", "d_model")],
+        (dict(n_heads=0), "model.n_heads must be >= 1"),
+        (dict(n_core=0), "model.n_core must be >= 1"),
+        *[
+            (dict([(name, -1)]), f"model.{name} must be >= 0")
+            for name in ("n_prelude", "n_coda", "d_ff", "backprop_depth")
+        ],
+        (dict(d_model=30, n_heads=4), "must divide"),
+        (dict(d_model=30, n_heads=2), "must be even"),
+        *[
+            (dict([(name, "other")]), f"model.{name} must be one of")
+            for name in ("mlp", "norm", "injection", "adapter_init", "init_state")
+        ],
+        (dict(state_noise_std=-0.5), "state_noise_std"),
+        (dict(init_std=0.0), "init_std"),
+        (dict(norm_eps=0.0), "norm_eps"),
+    ],
+)
+def test_config_refuses_one_past_each_boundary(changes, message):
+    with pytest.raises(InputError, match=message):
+        ModelConfig(**changes)
+
+
+def test_config_round_trips_through_a_dict_and_names_unknown_keys():
+    config = ModelConfig(**ARCHITECTURES["sandwich-swiglu-add-noise-tied"])
+    values = config.to_dict()
+    assert values["d_model"] == 24 and values["mlp"] == "swiglu" and values["tie_embeddings"] is True
+    assert ModelConfig.from_dict(values) == config
+    assert ModelConfig.from_dict({"d_model": 24, "n_heads": 3}) == ModelConfig(d_model=24, n_heads=3)
+    with pytest.raises(InputError, match="unknown model config keys: depth, width$"):
+        ModelConfig.from_dict({"width": 3, "d_model": 24, "depth": 2})
+
+
+def test_fp32_attention_on_the_cpu_is_the_fused_kernel(monkeypatch):
+    """Only low precision takes the written-out form: fp32 calls the fused kernel in every block."""
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        seen.append((q.dtype, kwargs))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    LoopedTransformer(ModelConfig(vocab_size=32, max_seq_len=8, d_model=16, n_heads=2))(
+        torch.zeros(1, 8, dtype=torch.long), depth=2
+    )
+    assert seen == [(torch.float32, {"is_causal": True})] * (1 + 2 * 2 + 1)
+
+
+def test_with_every_target_counted_the_coda_runs_as_whole_blocks():
+    """Whole blocks are what compiled blocks have graphs for: the token-subset readout is only for
+    targets that leave some tokens out."""
+    model = trained_like(ModelConfig(**{**SMALL, "n_coda": 2}))
+    x, y = torch.randint(0, 40, (2, 8)), torch.randint(0, 40, (2, 8))
+    calls = []
+    for block in model.coda:
+        block.register_forward_hook(lambda module, args, out: calls.append(module))
+    with torch.no_grad():
+        model.nll_by_depth(x, y, [2, 1])
+        assert calls == [model.coda[0], model.coda[1]] * 2
+        calls.clear()
+        model.nll_by_depth(x, y.masked_fill(torch.rand(2, 8) < 0.5, -1), [2, 1])
+    assert calls == [model.coda[0]] * 2  # the last block split into attention, then the counted tokens' MLP
