@@ -8,7 +8,7 @@ import pytest
 import xarray as xr
 from click.testing import CliRunner
 
-from analysis.recommend import finish_length, switch_plan, switch_text
+from analysis.recommend import describe_finish, finish_length, switch_plan, switch_text
 from analysis.store import write_dataset
 from common.errors import InputError
 from diag.cli import main
@@ -129,6 +129,108 @@ def test_switch_plan_clamps_and_rounds():
     assert switch_text(2900, 3000) == "0.966667"
     with pytest.raises(InputError, match="margin must be a number >= 1"):
         switch_plan(64, updates=1024, margin=0.5)
+
+
+def test_the_hand_pilot_described_in_one_sentence():
+    # Every number from the hand calculation at the top: F = 64 from step 768 + 64 = 832, 7 settled checks of the
+    # 2 needed, the crossing in (32, 64], two batches per check.
+    finish = finish_length(pilot_monitor())
+    assert finish.checks_needed == 2 and finish.level == 0.95
+    assert [check.below_threshold for check in finish.checks] == [False] + [True] * 7
+    assert describe_finish(finish) == (
+        "F = 64 uniform updates: from step 832 on, every check settled (mean benefit below 5% of the switch's), "
+        "7 checks (needed: 2); the crossing lies in (32, 64]; intervals over 2 batches of one run (batch noise only)"
+    )
+    one = finish_length(pilot_monitor([0.01, 0.2] + [0.1] * 7 + [0.001]), checks=1)
+    assert "1 check (needed: 1); the crossing lies in (224, 256]" in describe_finish(one)
+
+
+def test_the_zero_rule_ignores_a_small_benefit_that_is_clearly_positive():
+    # From 832 on the benefit is 0.004 -/+ 1e-5: below 5% of the switch's 0.20, but its interval over batches
+    # (0.004 +- 12.706 x 1e-5) excludes 0. The fraction and either rules settle there; the zero rule never does.
+    spread = [SPREAD, SPREAD, SPREAD] + [1e-5] * 7
+    ds = pilot_monitor([0.01, 0.2, 0.05] + [0.004] * 7, spread=spread)
+    assert finish_length(ds, rule="fraction").finish_updates == 64
+    assert finish_length(ds, rule="either").finish_updates == 64
+    with pytest.raises(InputError, match="no F found"):
+        finish_length(ds, rule="zero")
+
+
+def test_finish_and_plan_as_dicts_carry_their_fields():
+    finish = finish_length(pilot_monitor())
+    plan = switch_plan(finish.finish_updates, updates=1024)
+    assert finish.to_dict()["finish_updates"] == 64 and finish.to_dict()["checks"][0]["step"] == 800
+    assert plan.to_dict() == {
+        "finish_updates": 64,
+        "margin": 1.5,
+        "planned_finish_updates": 96,
+        "updates": 1024,
+        "switch": 0.90625,
+        "switch_text": "0.90625",
+        "switch_step": 928,
+        "clamped": False,
+    }
+
+
+def test_settled_from_the_first_check_after_the_switch_brackets_from_the_switch():
+    finish = finish_length(pilot_monitor([0.01, 0.2] + [0.001] * 8))
+    assert (finish.finish_updates, finish.after, finish.settled_checks) == (32, 0, 8)
+
+
+def test_the_default_needs_two_settled_checks():
+    late = [0.01, 0.20, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.005, 0.004]  # only 992 and 1024 settle
+    assert finish_length(pilot_monitor(late)).finish_updates == 224
+    with pytest.raises(InputError, match="the last 1 check\\(s\\) settle, fewer than --checks 2"):
+        finish_length(pilot_monitor(late[:-2] + [0.1, 0.004]))  # only 1024 settles
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(threshold=0.0), "threshold must be a fraction in"),
+        (dict(threshold=1.0), "threshold must be a fraction in"),
+        (dict(threshold=1.5), "threshold must be a fraction in"),
+        (dict(checks=0), "checks must be a positive integer"),
+        (dict(checks=True), "checks must be a positive integer"),
+        (dict(checks=1.5), "checks must be a positive integer"),
+    ],
+)
+def test_finish_length_rejects_bad_settings(kwargs, message):
+    with pytest.raises(InputError, match=message):
+        finish_length(pilot_monitor(), **kwargs)
+
+
+def test_refusals_name_a_monitor_file_by_default():
+    ds = pilot_monitor(switch=-1)
+    del ds.attrs["schedule"]
+    with pytest.raises(InputError, match=r"^monitor file: the pilot has no switch: recommend needs"):
+        finish_length(ds)
+    with pytest.raises(InputError, match=r"the switch \(step 768\) is \+0, not positive"):
+        finish_length(pilot_monitor([0.01, 0.0] + [0.0] * 8))
+    with pytest.raises(InputError, match=r"pilot's 256 updates after the switch \(the last check has not settled;"):
+        finish_length(pilot_monitor([0.01, 0.2] + [0.001] * 7 + [0.1]))
+    # A pilot that ends at its switch has no check after it.
+    with pytest.raises(InputError, match=r"pilot's 0 updates after the switch \(the last check has not settled;"):
+        finish_length(pilot_monitor(BENEFITS[:2], steps=STEPS[:2]))
+
+
+def test_switch_plan_at_its_smallest_valid_values_and_its_defaults():
+    # F = 1, margin 1, N = 1: F' = 1 = N, the whole run finishes without being clamped.
+    smallest = switch_plan(1, updates=1, margin=1)
+    assert (smallest.planned_finish_updates, smallest.switch_step, smallest.switch_text, smallest.clamped) == (
+        1,
+        0,
+        "0",
+        False,
+    )
+    assert switch_plan(64, updates=1024).planned_finish_updates == 96  # the default margin 1.5
+    assert switch_plan(1, updates=100, margin=1.2).planned_finish_updates == 2  # ceil(1.2), not round(1.2)
+    assert switch_plan(5, updates=100, margin=1.5).planned_finish_updates == 8  # ceil(7.5)
+    for updates in (0, True, 100.0):
+        with pytest.raises(InputError, match="updates must be a positive integer"):
+            switch_plan(64, updates=updates)
+    with pytest.raises(InputError, match="finishing-phase length must be >= 1"):
+        switch_plan(0, updates=100)
 
 
 def run(*args):

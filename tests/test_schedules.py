@@ -7,7 +7,7 @@ import pytest
 from scipy import stats
 
 from common.errors import InputError
-from trainer.schedules import parse_schedule
+from trainer.schedules import PLNSchedule, ProgressiveSchedule, parse_schedule
 
 ALPHA = 1e-3  # goodness-of-fit tests use fixed seeds, so a pass is reproducible
 
@@ -48,6 +48,10 @@ def as_vector(distribution, max_depth):
         ("pln:max=32,mean=4.5", "pln:mean=4.5,sigma=0.5,max=32"),
         ("progressive:mean=8,warmup=0.75,shape=1-sqrt", "progressive:mean=8,sigma=0.5,max=16,warmup=0.75,shape=1-sqrt"),
         ("progressive:shape=linear", "progressive:mean=8,sigma=0.5,max=16,warmup=0.75,shape=linear"),
+        (
+            "progressive:max=12,sigma=0.3,shape=linear,warmup=0.5,mean=6",
+            "progressive:mean=6,sigma=0.3,max=12,warmup=0.5,shape=linear",
+        ),
         ("fixed-first", "fixed-first:k0=4,switch=0.8,finish=uniform:1-16"),
         ("fixed-first:k0=2, switch=0.5, finish=uniform:1-16", "fixed-first:k0=2,switch=0.5,finish=uniform:1-16"),
         (
@@ -76,6 +80,7 @@ def test_spec_round_trips_through_its_canonical_form(spec, canonical):
         "fixed-first:k0=4,switch=0.8,finish=fixed:4",
         "fixed-first:k0=4,finish=uniform:1-16,switch=0.5",
         "pln:mean=-1",
+        "pln:mean=0",
         "pln:sigma=nan",
         "pln:max=0",
         "pln:foo=1",
@@ -92,6 +97,88 @@ def test_bad_specs_raise_one_line_input_errors(spec):
         parse_schedule(spec, seed=0, total_updates=100)
     message = str(err.value)
     assert message.startswith(f"schedule {spec!r}: ") and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("fixed:x", "depth must be an integer"),
+        ("pln:mean=abc", "mean must be a number"),
+        ("pln:sigma=abc", "sigma must be a number"),
+        ("pln:max=1.5", "max must be an integer"),
+        ("progressive:mean=abc", "mean must be a number"),
+        ("progressive:sigma=abc", "sigma must be a number"),
+        ("progressive:max=1.5", "max must be an integer"),
+        ("progressive:warmup=abc", "warmup must be a number"),
+    ],
+)
+def test_a_malformed_value_is_named_by_its_key(spec, message):
+    # Several keys take numbers: the message says which one is wrong.
+    with pytest.raises(InputError, match=message):
+        parse_schedule(spec, seed=0, total_updates=100)
+
+
+@pytest.mark.parametrize(
+    "spec,distribution",
+    [
+        ("fixed:1", {1: 1.0}),
+        ("pln:mean=0.5,sigma=0,max=1", {1: 1.0}),
+        ("progressive:mean=1,sigma=0,max=1,warmup=0,shape=1-sqrt", {1: 1.0}),
+    ],
+)
+def test_the_smallest_valid_values_are_accepted(spec, distribution):
+    # Depth 1, max 1, sigma 0, a mean below 1 (PLN) or of exactly 1 (progressive), no warmup: all valid settings.
+    schedule = parse_schedule(spec, seed=0, total_updates=10)
+    assert schedule.spec == spec
+    assert schedule.average_distribution() == pytest.approx(distribution)
+    assert {schedule.depth_at(step) for step in range(10)} == {1}
+
+
+def test_progressive_without_warmup_starts_at_the_full_mean():
+    schedule = parse_schedule("progressive:mean=6,warmup=0", seed=0, total_updates=10)
+    assert [schedule.pln_mean_at(step) for step in (0, 1, 9)] == [6.0, 6.0, 6.0]
+    full_warmup = parse_schedule("progressive:mean=6,warmup=1,shape=linear", seed=0, total_updates=10)
+    assert [full_warmup.pln_mean_at(step) for step in (0, 5, 9)] == pytest.approx([1.0, 3.5, 5.5])
+
+
+@pytest.mark.parametrize("cls", [PLNSchedule, ProgressiveSchedule])
+def test_an_infinite_sigma_is_rejected_by_the_schedule_itself(cls):
+    # The parser already refuses "inf"; the dataclasses are public too.
+    with pytest.raises(InputError, match="sigma must be a finite number"):
+        cls(sigma=math.inf)
+
+
+@pytest.mark.parametrize("spec", ["fixed:3", "uniform:2-5", "pln", "progressive", "fixed-first"])
+def test_a_prefix_of_one_update_up_to_the_whole_run_is_averaged_and_no_other(spec):
+    schedule = parse_schedule(spec, seed=0, total_updates=50)
+    assert schedule.total_updates == 50
+    for updates in (1, 50):
+        assert sum(schedule.average_distribution(updates).values()) == pytest.approx(1.0)
+    for updates in (0, 51):
+        with pytest.raises(InputError, match=r"updates must be in \[1, 50\]"):
+            schedule.average_distribution(updates)
+
+
+def test_progressive_prefix_average_is_the_mean_of_its_steps_laws():
+    schedule = parse_schedule("progressive:mean=8,warmup=0.5,shape=linear", seed=0, total_updates=40)
+    for updates in (1, 10, 40):
+        expected = np.zeros(16)
+        for step in range(updates):
+            expected += as_vector(schedule.depth_distribution(step), 16) / updates
+        assert as_vector(schedule.average_distribution(updates), 16) == pytest.approx(expected, abs=1e-12)
+
+
+def test_fixed_first_average_with_k0_outside_the_finish_range():
+    # K0 = 20 for 25 of 100 updates, then uniform 1..16: depth 20 gets exactly the fixed phase's share.
+    schedule = parse_schedule("fixed-first:k0=20,switch=0.25,finish=uniform:1-16", seed=0, total_updates=100)
+    assert schedule.average_distribution() == pytest.approx({**{k: 0.75 / 16 for k in range(1, 17)}, 20: 0.25})
+
+
+def test_pln_probabilities_are_never_negative_where_the_clipped_tail_rounds_below_zero():
+    # At mean 0.25 the quadrature's mass below the clip sums to 1 + 2e-16: the clipped tail must read 0, not -2e-16.
+    distribution = parse_schedule("pln:mean=0.25,sigma=0.3,max=16", seed=0, total_updates=1).depth_distribution(0)
+    assert min(distribution.values()) >= 0
+    assert sum(distribution.values()) == pytest.approx(1.0)
 
 
 # --- purity ---------------------------------------------------------------------------------

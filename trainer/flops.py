@@ -20,6 +20,7 @@ depends only on its depth distribution, averaged over the run.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -165,8 +166,8 @@ def iso_flop_updates(
         budget = schedule_flops(
             model, reference, batch_size=batch_size, seq_len=seq_len, include_embeddings=include_embeddings
         )
-    if not budget > 0:
-        raise InputError(f"the FLOP budget must be > 0, got {budget}")
+    if not (math.isfinite(budget) and budget > 0):
+        raise InputError(f"the FLOP budget must be a finite number > 0, got {budget}")
 
     def run_flops(n: int) -> float:
         return schedule_flops(
