@@ -1,6 +1,8 @@
 """Benefit intervals: batch-level Student-t (and BCa) intervals, checked against scipy.stats directly."""
 
+import json
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -8,7 +10,10 @@ import scipy.stats
 import xarray as xr
 
 from analysis.stats import (
+    FinishingPhase,
+    Interval,
     IntervalOptions,
+    SeedDecay,
     batch_noise,
     bca_interval,
     benefit_by_depth,
@@ -17,14 +22,22 @@ from analysis.stats import (
     describe_intervals,
     finishing_phase,
     format_finishing_phase,
+    format_monitor_summary,
     format_summary_table,
     mixed_learning_rate_warning,
+    monitor_benefit_map,
+    monitor_depth_averaged_benefit,
+    monitor_summary_table,
+    replication_units,
     summary_table,
     t_interval,
+    trailing_mean,
 )
 
 
-def benefit_results(benefit: np.ndarray, uniform_updates=None, seeded: bool = False) -> xr.Dataset:
+def benefit_results(
+    benefit: np.ndarray, uniform_updates=None, seeded: bool = False, update_depths=(4, 16)
+) -> xr.Dataset:
     """A Dataset with the coordinates the statistics read, around `benefit` [(seed,) snapshot, batch, depth]."""
     dims = (("seed",) if seeded else ()) + ("snapshot", "batch", "serving_depth")
     n_snapshots, n_batches, n_depths = benefit.shape[-3:]
@@ -35,7 +48,7 @@ def benefit_results(benefit: np.ndarray, uniform_updates=None, seeded: bool = Fa
         "step": ("snapshot", [1000 + u for u in uniform_updates]),
         "batch": np.arange(n_batches),
         "serving_depth": np.arange(1, n_depths + 1),
-        "update_depth": [4, 16],
+        "update_depth": list(update_depths),
     }
     if seeded:
         coords["seed"] = np.arange(benefit.shape[0])
@@ -189,7 +202,9 @@ def test_single_unit_gives_no_interval_and_excludes_nothing():
     assert "n/a" in format_summary_table(rows)
 
 
-@pytest.mark.parametrize("options", [{"level": 1.5}, {"method": "normal"}, {"n_resamples": 0}])
+@pytest.mark.parametrize(
+    "options", [{"level": 1.5}, {"level": 0.0}, {"level": 1.0}, {"method": "normal"}, {"n_resamples": 0}]
+)
 def test_bad_options_are_refused(options):
     with pytest.raises(ValueError):
         depth_averaged_benefit(benefit_results(np.zeros((1, 3, 2))), options=IntervalOptions(**options))
@@ -229,6 +244,26 @@ def test_seed_level_interval_by_hand():
     assert after["mean"] == pytest.approx(0.0) and after["between_seed_variance"] == pytest.approx(0.0)
     assert after["within_seed_variance"] == pytest.approx(0.01)
     assert after["batch_half_width"] == pytest.approx(T_975_DF1 * 0.1)
+
+
+def test_a_seed_dimension_of_another_name_is_honoured():
+    ds = hand_seeds().rename(seed="run")
+    switch, after = summary_table(ds, seed_dim="run")
+    assert (switch["unit"], switch["n"], switch["mean"], switch["batches_per_seed"]) == ("run", 3, 3.0, 2)
+    half = T_975_DF2 / math.sqrt(3)  # seed means 3, 2, 4
+    assert (switch["lower"], switch["upper"]) == pytest.approx((3.0 - half, 3.0 + half), rel=1e-12)
+    assert (switch["between_seed_variance"], switch["within_seed_variance"]) == pytest.approx((1.0, 1.0))
+    by_depth = benefit_by_depth(ds, seed_dim="run")
+    assert by_depth.attrs["unit"] == "run" and (by_depth["n"].values == 3).all()
+    phase = finishing_phase(ds, seed_dim="run")
+    assert [decay.seed for decay in phase.per_seed] == [0, 1, 2] and phase.switch.n == 3
+
+
+def test_the_summary_rows_use_the_requested_level_for_both_intervals():
+    switch, _ = summary_table(hand_seeds(), options=IntervalOptions(level=0.9))
+    # Seed means 3, 2, 4 (s = 1); each seed's two batch means differ by 2 (s = sqrt(2)).
+    assert switch["lower"] == pytest.approx(3.0 - scipy.stats.t.ppf(0.95, 2) / math.sqrt(3), rel=1e-12)
+    assert switch["batch_half_width"] == pytest.approx(scipy.stats.t.ppf(0.95, 1), rel=1e-12)
 
 
 def test_batch_noise_of_one_file_has_no_seed_variance():
@@ -337,3 +372,362 @@ def test_mixed_learning_rates_are_named_per_file():
     assert "c.h5: lr 0.001 (s0), lr 0.0005 (s16)" in message and "a.h5: lr 0.001" in message
     one_file = hand_seeds().isel(seed=0, drop=True).assign_coords(lr=("snapshot", [2e-3, 1e-3]))
     assert "only.h5: lr 0.002 (s0), lr 0.001 (s16)" in mixed_learning_rate_warning(one_file, ["only.h5"])
+
+
+# --- intervals: defaults, edges and precision, against scipy and by hand ----------------------
+
+
+def test_two_values_form_a_95_percent_interval_by_default():
+    # 1 and 3: mean 2, s = sqrt(2), half-width t(0.975, 1) * sqrt(2) / sqrt(2).
+    assert t_interval(np.array([1.0, 3.0])) == pytest.approx((2.0, 2.0 - T_975_DF1, 2.0 + T_975_DF1, 2), rel=1e-12)
+
+
+def test_float32_values_are_averaged_in_float64():
+    # A results file may hold float32; its interval must not carry float32 rounding.
+    values32 = np.random.default_rng(8).normal(0.1, 1.0, 1000).astype(np.float32)
+    values64 = values32.astype(np.float64)
+    mean, lower, upper, n = t_interval(values32)
+    assert n == 1000 and mean == pytest.approx(values64.mean(), rel=1e-12)
+    assert (lower, upper) == pytest.approx(scipy_t(values64), rel=1e-12)
+
+
+def test_no_finite_value_and_constant_values_give_nan_bounds_without_warnings():
+    # These are expected inputs (a unit never evaluated, a benefit identical in every batch), not errors.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        empty = t_interval(np.array([np.nan, np.nan]))
+        constant = bca_interval(np.full(4, 7.0))
+    assert empty[3] == 0 and all(math.isnan(value) for value in empty[:3])
+    assert (constant[0], constant[3]) == (7.0, 4) and math.isnan(constant[1]) and math.isnan(constant[2])
+
+
+def test_bca_defaults_are_scipys_95_percent_and_9999_resamples_seeded_with_zero():
+    values = np.random.default_rng(9).normal(0.2, 1.0, 10)
+    reference = scipy.stats.bootstrap((values,), np.mean, method="BCa", rng=np.random.default_rng(0))
+    mean, lower, upper, n = bca_interval(values)
+    assert (mean, n) == (pytest.approx(values.mean()), 10)
+    low, high = reference.confidence_interval
+    assert (lower, upper) == pytest.approx((low, high), rel=1e-12)
+
+
+def test_bca_forms_an_interval_from_three_values_at_the_requested_level():
+    values = np.array([0.1, 0.5, 1.3])
+    reference = scipy.stats.bootstrap(
+        (values,), np.mean, confidence_level=0.9, n_resamples=999, method="BCa", rng=np.random.default_rng(3)
+    ).confidence_interval
+    assert bca_interval(values, 0.9, n_resamples=999, seed=3) == pytest.approx(
+        (values.mean(), reference.low, reference.high, 3), rel=1e-12
+    )
+    assert math.isnan(bca_interval(values[:2])[1])  # two values: no bootstrap interval
+
+
+def test_bca_options_reach_the_bootstrap():
+    rng = np.random.default_rng(10)
+    benefit = correlated_benefit(rng, 1, 9, 3, means=[0.3])
+    options = IntervalOptions(level=0.8, method="bca", n_resamples=500, seed=5)
+    row = depth_averaged_benefit(benefit_results(benefit), options=options).isel(snapshot=0)
+    reference = scipy.stats.bootstrap(
+        (benefit[0].mean(axis=1),),
+        np.mean,
+        confidence_level=0.8,
+        n_resamples=500,
+        method="BCa",
+        rng=np.random.default_rng(5),
+    ).confidence_interval
+    assert (float(row["lower"]), float(row["upper"])) == pytest.approx((reference.low, reference.high), rel=1e-12)
+
+
+def test_the_extreme_valid_options_are_accepted():
+    assert IntervalOptions(level=0.01, n_resamples=1).n_resamples == 1
+    assert IntervalOptions(level=0.999).level == 0.999
+
+
+def test_replication_units_are_per_seed_batch_means_or_the_batches_themselves():
+    ds = hand_seeds()
+    units, dim = replication_units(ds["benefit"])
+    assert dim == "seed" and set(units.dims) == {"seed", "snapshot", "serving_depth"}
+    np.testing.assert_allclose(
+        units.transpose("seed", "snapshot", "serving_depth").values, ds["benefit"].values.mean(2)
+    )
+    single = ds.isel(seed=0, drop=True)["benefit"]
+    units, dim = replication_units(single)
+    assert dim == "batch" and units.identical(single)
+
+
+def test_intervals_name_the_reference_and_the_compared_update_depth():
+    # The benefit is the first update depth's NLL minus the last one's, whatever their order.
+    ds = benefit_results(np.ones((1, 3, 2)), update_depths=(4, 1, 16))
+    expected = {"level": 0.95, "method": "t", "unit": "batch", "reference_depth": 4, "compared_depth": 16}
+    assert depth_averaged_benefit(ds).attrs == expected
+    assert benefit_by_depth(ds).attrs == expected
+    assert depth_averaged_benefit(ds.drop_vars("update_depth")).attrs == {"level": 0.95, "method": "t", "unit": "batch"}
+
+
+def test_batch_noise_with_two_seeds_and_a_lost_batch_by_hand():
+    # 2 seeds x 2 snapshots x 3 batches, one serving depth; seed 1 lost its third batch at 8 updates.
+    benefit = np.array([[[1.0, 2.0, 3.0], [0.0, 0.0, 3.0]], [[2.0, 4.0, 6.0], [1.0, 3.0, np.nan]]])[..., None]
+    noise = batch_noise(benefit_results(benefit, uniform_updates=[0, 8], seeded=True), options=IntervalOptions(0.9))
+    assert noise.attrs == {"level": 0.9, "method": "t", "seeded": 1}
+    t2, t1 = scipy.stats.t.ppf(0.95, 2), scipy.stats.t.ppf(0.95, 1)
+    # At the switch: seed means 2 and 4 (variance 2); s^2 / n = 1/3 and 4/3; half-widths t2 * s / sqrt(3).
+    # After 8 updates: seed means 1 and 2 (variance 0.5); s^2 / n = 3/3 and 2/2; half-widths t2 * 1, t1 * 1.
+    np.testing.assert_allclose(noise["between_seed_variance"].values, [2.0, 0.5])
+    np.testing.assert_allclose(noise["within_seed_variance"].values, [5 / 6, 1.0])
+    np.testing.assert_allclose(noise["batch_half_width"].values, [t2 * 1.5 / math.sqrt(3), (t2 + t1) / 2])
+    assert noise["batches_per_seed"].values.tolist() == [3, 2]
+
+
+def test_batch_noise_of_one_file_carries_no_seed():
+    noise = batch_noise(hand_seeds().isel(seed=0, drop=True))
+    assert "seed" not in noise.coords and "seed" not in noise.dims
+
+
+def test_an_interval_that_touches_zero_does_not_exclude_it():
+    # Every batch exactly 0: the interval is [0, 0], which contains zero.
+    (row,) = summary_table(benefit_results(np.zeros((1, 3, 2))))
+    assert (row["lower"], row["upper"]) == (0.0, 0.0) and not row["excludes_zero"]
+    switch, after = summary_table(hand_seeds())
+    assert 0 < switch["lower"] < 1 and switch["excludes_zero"]  # 3 +- 2.48 lies above zero
+    assert (after["lower"], after["upper"]) == (0.0, 0.0) and not after["excludes_zero"]
+
+
+# --- what the summary prints, written out by hand ------------------------------------------------
+
+
+def test_the_headline_description_in_full():
+    seeded = describe_intervals(summary_table(hand_seeds()))
+    assert seeded == (
+        "headline: 95% Student-t CI over training seeds (per-seed means of batch means), n = 3 seeds\n"
+        "secondary: within-seed 95% CI over batches (batch noise only), shown as its mean half-width over seeds; "
+        "var(seeds) = variance of the seed means, "
+        "var(batches) = mean s^2_batch / n_batch (batch noise in one seed mean)"
+    )
+    (one_snapshot,) = summary_table(hand_seeds().isel(snapshot=[0]))
+    assert describe_intervals([one_snapshot]).startswith("headline: 95% Student-t CI over training seeds")
+    rows = [{"unit": "batch", "n": 4}, {"unit": "batch", "n": 2}, {"unit": "batch", "n": 3}]
+    assert describe_intervals(rows, level=0.9, method="bca") == (
+        "headline: 90% BCa bootstrap CI over batches of one seed: batch noise only, not seed-to-seed variation, "
+        "n = 2-4 batches; diagnose several seeds for the interval a replication would fall in"
+    )
+
+
+def test_the_summary_table_in_full():
+    rows = [
+        {"snapshot": "u0000", "uniform_updates": 0, "step": 1000, "mean": 0.25, "lower": 0.125, "upper": 0.375}
+        | {"n": 12, "unit": "batch", "excludes_zero": True},
+        {"snapshot": "u0016", "uniform_updates": 16, "step": 1016, "mean": -1.5, "lower": math.nan}
+        | {"upper": math.nan, "n": 1, "unit": "batch", "excludes_zero": False},
+    ]
+    assert format_summary_table(rows).splitlines() == [
+        "snapshot  uniform updates  step  mean benefit               95% CI           n  CI excludes 0",
+        "   u0000                0  1000       +0.2500   [+0.1250, +0.3750]  12 batches            yes",
+        "   u0016               16  1016       -1.5000  n/a (too few units)     1 batch             no",
+    ]
+    seeded = [
+        {"snapshot": "u0000", "uniform_updates": 0, "step": 1000, "mean": 3.0, "lower": 0.5, "upper": 5.5}
+        | {"n": 3, "unit": "seed", "excludes_zero": True, "batch_half_width": 12.70620}
+        | {"batches_per_seed": 2, "between_seed_variance": 1.0, "within_seed_variance": 0.00125},
+    ]
+    assert format_summary_table(seeded, level=0.9).splitlines() == [
+        "snapshot  uniform updates  step  mean benefit              90% CI        n  CI excludes 0"
+        "  batch CI ±  batches/seed  var(seeds)  var(batches)",
+        "   u0000                0  1000       +3.0000  [+0.5000, +5.5000]  3 seeds            yes"
+        "     12.7062             2    1.00e+00      1.25e-03",
+    ]
+
+
+def test_an_interval_in_words():
+    assert Interval(0.25, 0.125, 0.375, 4, "batch").describe() == "+0.2500 [+0.1250, +0.3750] over 4 batches"
+    assert Interval(-2.0, math.nan, math.nan, 1, "seed").describe() == "-2.0000 n/a (too few units) over 1 seed"
+
+
+def test_an_interval_contains_zero_up_to_and_including_its_bounds():
+    assert Interval(0.5, 0.0, 1.0, 3, "seed").contains_zero()
+    assert Interval(-0.5, -1.0, 0.0, 3, "seed").contains_zero()
+    assert not Interval(0.8, 0.2, 1.5, 3, "seed").contains_zero()
+    assert not Interval(-0.8, -1.5, -0.2, 3, "seed").contains_zero()
+    assert not Interval(1.0, math.nan, math.nan, 1, "seed").contains_zero()
+
+
+def test_mixed_learning_rate_message_in_full():
+    ds = benefit_results(np.zeros((2, 3, 2, 2)), uniform_updates=[0, 4, 8], seeded=True)
+    mixed = ds.assign_coords(lr=(("seed", "snapshot"), [[1e-3, 1e-3, 1e-3], [1e-3, 5e-4, 5e-4]]))
+    assert mixed_learning_rate_warning(mixed, ["a.h5", "b.h5"]) == (
+        "snapshots were diagnosed at different learning rates: a.h5: lr 0.001; b.h5: lr 0.001 (s0), lr 0.0005 (s4 s8)"
+    )
+    # One snapshot per file, a different rate in each.
+    ds = benefit_results(np.zeros((2, 1, 2, 2)), seeded=True)
+    one_each = ds.assign_coords(lr=(("seed", "snapshot"), [[1e-3], [2e-3]]))
+    assert mixed_learning_rate_warning(one_each, ["a.h5", "b.h5"]) == (
+        "snapshots were diagnosed at different learning rates: a.h5: lr 0.001; b.h5: lr 0.002"
+    )
+
+
+# --- decay point and finishing phase: edges by hand ----------------------------------------------
+
+
+def test_decay_point_edges():
+    assert decay_point([0, 4, 8], [2.0, 0.09, 0.09]) == 4  # 5% of a switch benefit of 2 is 0.1
+    assert decay_point([0, 4], [0.5, 0.01]) == 4  # a switch benefit below 1 decays like any other
+    assert decay_point([0, 4], [0.0, -1.0]) is None  # a zero switch benefit has nothing to decay
+    assert decay_point([0, 4], [1.0, 0.25], fraction=0.25) is None  # exactly the fraction is not below it
+    with pytest.raises(ValueError, match="switch"):
+        decay_point([], [])
+    # A float32 seed curve (a float32 file): 0.03217036649584770 lies below 5% of 0.6434073448181152
+    # (0.03217036724...), though float32 arithmetic would round that threshold down onto the value itself.
+    assert decay_point([0, 4], np.array([0.6434073448181152, 0.0321703664958477], dtype=np.float32)) == 4
+
+
+def test_per_seed_switch_values_and_the_phase_as_json():
+    phase = finishing_phase(seed_curves([[2.0, 0.05, 0.01, 0.01], [1.0, 0.5, 0.01, 0.01]]))
+    assert phase.per_seed == (SeedDecay(0, 2.0, 4, 0), SeedDecay(1, 1.0, 8, 4))
+    as_dict = json.loads(json.dumps(phase.to_dict()))
+    assert as_dict["per_seed"][0] == {"seed": 0, "switch_value": 2.0, "uniform_updates": 4, "after": 0}
+    assert as_dict["switch"]["mean"] == pytest.approx(1.5) and as_dict["decay_updates"] == 8
+
+
+def phase_of(switch: Interval, **fields) -> FinishingPhase:
+    """A FinishingPhase over a grid ending at 16 updates, with nothing found unless `fields` say so."""
+    defaults = {"fraction": 0.05, "max_uniform_updates": 16, "decay_updates": None, "decay_after": None}
+    defaults |= {"per_seed": (), "first_zero_overlap": None, "zero_overlap": None, "intervals_formed": True}
+    return FinishingPhase(switch=switch, **(defaults | fields))
+
+
+def test_finishing_phase_lines_in_full():
+    phase = finishing_phase(seed_curves([[1, 0.5, 0.01, 0.01], [1, 0.01, 0.01, 0.01], [1, 0.5, 0.5, 0.01]]))
+    lower, upper = scipy_t([0.5, 0.01, 0.5])  # the seeds after 4 updates
+    assert format_finishing_phase(phase).splitlines() == [
+        "finishing phase: switch benefit +1.0000 [+1.0000, +1.0000] over 3 seeds; "
+        "mean benefit below 5% of it for good from: 16 uniform updates (after 8; the grid brackets the crossing)",
+        "  per seed: seed 0: 8, seed 1: 4, seed 2: 16; range 4-16 (each crossing lies between its grid count and "
+        "the one before)",
+        f"finishing phase: first snapshot whose 95% CI contains zero: 4 uniform updates, benefit +0.3367 "
+        f"[{lower:+.4f}, {upper:+.4f}] over 3 seeds",
+    ]
+    never = phase_of(Interval(0.5, 0.25, 0.75, 2, "seed"), per_seed=(SeedDecay(0, 0.4, None, None),) * 2)
+    assert format_finishing_phase(never, level=0.9).splitlines() == [
+        "finishing phase: switch benefit +0.5000 [+0.2500, +0.7500] over 2 seeds; "
+        "mean benefit below 5% of it for good from: none within 16",
+        "  per seed: seed 0: none within 16, seed 0: none within 16 (each crossing lies between its grid count and "
+        "the one before)",
+        "finishing phase: first snapshot whose 90% CI contains zero: none within 16",
+    ]
+
+
+def test_a_switch_benefit_that_is_not_positive_is_named_as_the_reason():
+    for mean in (0.0, -0.5):
+        text = format_finishing_phase(phase_of(Interval(mean, -1.0, 1.0, 4, "batch"), intervals_formed=False))
+        assert text.splitlines()[0].endswith("for good from: none within 16 (the switch benefit is not positive)")
+        assert text.splitlines()[1] == (
+            "finishing phase: first snapshot whose 95% CI contains zero: "
+            "n/a (no interval could be formed: fewer than two units)"
+        )
+
+
+def test_trailing_mean_of_a_window_without_values_is_nan_without_a_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        smoothed = trailing_mean([np.nan, np.nan, 1.0], 2)
+    np.testing.assert_array_equal(smoothed, [np.nan, np.nan, 1.0])
+
+
+def test_trailing_mean_of_float32_losses_is_computed_in_float64():
+    values = np.random.default_rng(11).normal(3.0, 0.5, 1000).astype(np.float32)
+    exact = values.astype(np.float64)
+    expected = [exact[max(0, i - 9) : i + 1].mean() for i in range(exact.size)]
+    np.testing.assert_allclose(trailing_mean(values, 10), expected, rtol=1e-10)
+
+
+# --- the in-training monitor's numbers and summary ----------------------------------------------
+
+
+def monitor_results(benefit: np.ndarray, steps=(2, 4, 6), **attrs) -> xr.Dataset:
+    """A monitor Dataset around `benefit` [step, batch, serving depth], lr 1e-3 halved at each check."""
+    lr = 1e-3 / 2 ** np.arange(len(steps))
+    return xr.Dataset(
+        {
+            "benefit": (("step", "batch", "serving_depth"), benefit, {"long_name": "benefit", "units": "nats"}),
+            "lr": (("step",), lr),
+        },
+        coords={
+            "step": list(steps),
+            "batch": np.arange(benefit.shape[1]),
+            "serving_depth": np.arange(1, benefit.shape[2] + 1),
+            "update_depth": [4, 16],
+        },
+        attrs=attrs,
+    )
+
+
+def test_monitor_rows_by_hand():
+    # Depth-averaged batch means per check: (2, 3, 4), (-1, 0, 1), (0, 0, 0).
+    means = np.array([[2.0, 3.0, 4.0], [-1.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    benefit = means[..., None] + np.array([-0.5, 0.5])
+    ds = monitor_results(benefit, switch_step=4)
+    rows = monitor_summary_table(ds)
+    assert [(row["step"], row["phase"], row["lr"], row["unit"], row["n"]) for row in rows] == [
+        (2, "fixed", 1e-3, "batch", 3),
+        (4, "switch", 5e-4, "batch", 3),
+        (6, "finish", 2.5e-4, "batch", 3),
+    ]
+    half = T_975_DF2 / math.sqrt(3)  # s = 1 for the first two checks
+    np.testing.assert_allclose(
+        [(row["mean"], row["lower"], row["upper"]) for row in rows],
+        [(3.0, 3.0 - half, 3.0 + half), (0.0, -half, half), (0.0, 0.0, 0.0)],
+        rtol=1e-12,
+        atol=1e-15,
+    )
+    assert [row["excludes_zero"] for row in rows] == [True, False, False]
+    t_90 = scipy.stats.t.ppf(0.95, 2)
+    at_90 = monitor_depth_averaged_benefit(ds, options=IntervalOptions(level=0.9))
+    assert float(at_90["lower"][0]) == pytest.approx(3.0 - t_90 / math.sqrt(3), rel=1e-12)
+    rows_90 = monitor_summary_table(ds, options=IntervalOptions(level=0.9))
+    assert rows_90[0]["upper"] == pytest.approx(3.0 + t_90 / math.sqrt(3), rel=1e-12)
+    assert monitor_depth_averaged_benefit(ds).attrs == {
+        "level": 0.95,
+        "method": "t",
+        "unit": "batch",
+        "reference_depth": 4,
+        "compared_depth": 16,
+    }
+
+
+def test_monitor_phases_without_a_switch_and_with_a_switch_at_step_zero():
+    benefit = np.zeros((3, 2, 2))
+    assert [row["phase"] for row in monitor_summary_table(monitor_results(benefit))] == ["", "", ""]
+    assert [row["phase"] for row in monitor_summary_table(monitor_results(benefit, switch_step=-1))] == ["", "", ""]
+    # A schedule that switches at step 0: every check lies in the finishing phase.
+    at_zero = monitor_results(benefit, switch_step=0)
+    assert [row["phase"] for row in monitor_summary_table(at_zero)] == ["finish", "finish", "finish"]
+
+
+def test_monitor_map_skips_missing_batches_and_keeps_the_description():
+    benefit = np.arange(12.0).reshape(2, 3, 2)
+    benefit[1, 0, :] = np.nan  # the first batch of the second check was never evaluated
+    heat = monitor_benefit_map(monitor_results(benefit, steps=(3, 6)))
+    assert heat.dims == ("step", "serving_depth") and heat.attrs == {"long_name": "benefit", "units": "nats"}
+    np.testing.assert_array_equal(heat.values, [[2.0, 3.0], [9.0, 10.0]])
+
+
+def test_the_monitor_summary_in_full():
+    rows = [
+        {"step": 3, "phase": "fixed", "lr": 1e-3, "mean": 0.5, "lower": 0.25, "upper": 0.75, "n": 3}
+        | {"excludes_zero": True},
+        {"step": 12, "phase": "", "lr": 2.5e-4, "mean": -0.125, "lower": math.nan, "upper": math.nan, "n": 1}
+        | {"excludes_zero": False},
+        {"step": 15, "phase": "finish", "lr": 1e-4, "mean": 0.0, "lower": -0.5, "upper": 0.5, "n": 2}
+        | {"excludes_zero": False},
+    ]
+    assert format_monitor_summary(rows, level=0.9, method="bca").splitlines() == [
+        "monitor: depth-averaged benefit per step; 90% BCa bootstrap CI over the check's batches of one run "
+        "(n = 1-3): batch noise only, not run-to-run variation",
+        "step   phase       lr  mean benefit               90% CI          n  CI excludes 0",
+        "   3   fixed    0.001       +0.5000   [+0.2500, +0.7500]  3 batches            yes",
+        "  12       -  0.00025       -0.1250  n/a (too few units)    1 batch             no",
+        "  15  finish   0.0001       +0.0000   [-0.5000, +0.5000]  2 batches             no",
+    ]
+    assert "of one run (n = 3): batch noise only" in format_monitor_summary(rows[:1])
+    assert format_monitor_summary([]).splitlines()[0] == (
+        "monitor: depth-averaged benefit per step; 95% Student-t CI over the check's batches of one run "
+        "(n = 0): batch noise only, not run-to-run variation"
+    )

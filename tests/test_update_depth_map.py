@@ -16,7 +16,7 @@ from click.testing import CliRunner  # noqa: E402
 from matplotlib.collections import QuadMesh  # noqa: E402
 
 from analysis.figures import plot_update_depth_map, update_depth_map_figure  # noqa: E402
-from analysis.stats import t_interval, update_depth_map  # noqa: E402
+from analysis.stats import IntervalOptions, t_interval, update_depth_map  # noqa: E402
 from analysis.store import open_results, write_dataset  # noqa: E402
 from diag.cli import main  # noqa: E402
 
@@ -84,6 +84,27 @@ def test_one_file_map_is_the_batch_mean_of_benefit_all_with_the_reference_left_o
     # Without the stored benefit_all (two-depth files) the same numbers come from nll.
     derived = update_depth_map(ds.drop_vars("benefit_all"))
     np.testing.assert_allclose(derived["mean"].values, cells["mean"].values)
+
+
+def test_the_map_reads_the_stored_benefit_all_rather_than_rederiving_it_from_nll():
+    # benefit_all is written from the float64 NLLs; a file whose nll was rounded to float32 still shows it exactly.
+    ds = multi_depth_results()
+    rounded = ds.assign(nll=ds["nll"].astype(np.float32))
+    cells = update_depth_map(rounded)
+    expected = ds["benefit_all"].sel(update_depth=list(COMPARED)).mean("batch")
+    np.testing.assert_allclose(cells["mean"].values, expected.values, rtol=1e-12)
+
+
+def test_the_map_honours_the_interval_options_and_a_renamed_seed_dimension():
+    ds = multi_depth_results()
+    cells = update_depth_map(ds, options=IntervalOptions(level=0.9))
+    assert cells.attrs == {"level": 0.9, "method": "t", "unit": "batch", "reference_depth": 4}
+    values = ds["benefit_all"].values[0, :, 2, 4]  # switch snapshot, update depth 2, serving depth 5
+    cell = cells.isel(snapshot=0).sel(update_depth=2, serving_depth=5)
+    assert (float(cell["lower"]), float(cell["upper"])) == pytest.approx(t_interval(values, 0.9)[1:3], rel=1e-12)
+    runs = xr.concat([multi_depth_results(seed) for seed in (0, 1)], dim="run")
+    by_run = update_depth_map(runs, seed_dim="run")
+    assert by_run.attrs["unit"] == "run" and (by_run["n"].values == 2).all()
 
 
 def test_several_seeds_map_is_the_mean_of_per_seed_batch_means(tmp_path):
