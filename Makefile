@@ -44,7 +44,7 @@ TRAINER_SOURCES := $(filter-out trainer/corpus.py,$(wildcard trainer/*.py)) $(wi
 DIAG_SOURCES := $(wildcard diag/*.py)
 ANALYSIS_SOURCES := $(wildcard analysis/*.py)
 
-.PHONY: setup figure4 figure4-files figure-map summary reference sensitivity monitor test test-slow bench flops clean corpus lint \
+.PHONY: setup figure4 figure4-files figure-map summary reference sensitivity monitor test test-slow mutants bench flops clean corpus lint \
   figure1 figure2 figure3-loss figure5 table3 finishing-phase
 .DELETE_ON_ERROR:
 
@@ -262,6 +262,24 @@ lint: $(VENV)/.installed
 
 test-slow: $(VENV)/.installed-eval
 	$(PY) -m pytest -q -m slow
+
+# Mutation testing of the numeric core ([tool.mutmut] in pyproject.toml): mutmut changes one
+# thing at a time in every function of the modules that compute what we publish and runs the
+# tests that reach that function against each change; docs/mutation-report.md gets the score
+# per module and every mutant that survived, each to kill or shown equivalent
+# (tests/mutation/equivalent.toml). Not part of CI (about an hour on 2 cores). A fresh run
+# each time: mutmut's cache would keep verdicts reached against older tests.
+MUTANT_JOBS ?= 2
+$(VENV)/.installed-mutants: $(VENV)/.installed-eval
+	$(PY) -m pip install --quiet -e ".[dev,eval,wandb,mutants]"
+	touch $@
+
+mutants: $(VENV)/.installed-mutants
+	rm -rf mutants
+	$(VENV)/bin/mutmut run --max-children $(MUTANT_JOBS)
+	$(PY) tests/mutation/report.py > docs/mutation-report.md.tmp
+	mv docs/mutation-report.md.tmp docs/mutation-report.md
+	head -20 docs/mutation-report.md
 
 bench: $(VENV)/.installed
 	$(PY) bench/run.py --config configs/tiny.toml
