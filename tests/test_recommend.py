@@ -2,16 +2,22 @@
 spec and its modeled compute; worked by hand on a synthetic monitor file."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import xarray as xr
 from click.testing import CliRunner
+from scipy import stats
 
-from analysis.recommend import describe_finish, finish_length, switch_plan, switch_text
+from analysis.monitor import open_monitor
+from analysis.recommend import describe_finish, finish_length, format_checks, switch_plan, switch_text
+from analysis.stats import IntervalOptions
 from analysis.store import write_dataset
 from common.errors import InputError
 from diag.cli import main
+from diag.grid import load_grid
+from diag.recommend import RecommendConfig, comparison_grid, format_recommendation, recommend
 from trainer.config import load_config
 
 # The pilot: configs/tiny-monitor.toml (fixed-first K0=4, switch at step 768 of 1,024), checked every 32
@@ -238,17 +244,19 @@ def run(*args):
     return result.exit_code, result.stdout, result.stderr
 
 
-def modeled_compute(depth_sum: float) -> float:
-    """Modeled FLOPs of 1,024 updates of the pilot's model (tiny-monitor.toml: d = 128, gelu MLP of width 4d = 512,
-    pre-norm, concat adapter, 1/2/1 prelude/core/coda blocks) whose depths sum to `depth_sum`, worked from the
-    parameter counts: 6 FLOPs per parameter per token forward and backward, norm weights included, the LM head
-    excluded, plus the QK^T and AV matmuls over the full 64 x 64 scores (4 x 64 x 128 per token forward per block,
-    three times that with the backward)."""
+def modeled_compute(depth_sum: float, *, updates: int = 1024, head: bool = False) -> float:
+    """Modeled FLOPs of `updates` updates of the pilot's model (tiny-monitor.toml: d = 128, gelu MLP of width
+    4d = 512, pre-norm, concat adapter, 1/2/1 prelude/core/coda blocks, vocabulary 512) whose depths sum to
+    `depth_sum`, worked from the parameter counts: 6 FLOPs per parameter per token forward and backward, norm
+    weights included, the LM head (128 x 512) only with `head`, plus the QK^T and AV matmuls over the full 64 x 64
+    scores (4 x 64 x 128 per token forward per block, three times that with the backward)."""
     block = 4 * 128**2 + 2 * 128 * 512 + 2 * 128  # qkv and proj, MLP, two norms: 196,864
     attention = 3 * 4 * 64 * 128
     once = 6 * (2 * block + 2 * 128) + 2 * attention  # prelude, coda, the loop and final norms: 2,560,512 per token
+    if head:
+        once += 6 * 128 * 512
     per_iteration = 6 * (2 * 128**2 + 2 * block) + 2 * attention  # the adapter (2d -> d), two core blocks: 2,755,584
-    return 32 * 64 * (1024 * once + depth_sum * per_iteration)  # 32 x 64 tokens per update
+    return 32 * 64 * (updates * once + depth_sum * per_iteration)  # 32 x 64 tokens per update
 
 
 def test_recommend_command(tmp_path):
@@ -302,3 +310,213 @@ def test_recommend_command(tmp_path):
         f"depthdiag: error: {uniform}: the pilot has no switch (uniform:1-16): "
         "recommend needs a fixed-first pilot monitored at its switch"
     ]
+
+
+# The hand pilot's checks after the switch: batch means BENEFITS[2:], each +- t(0.975, df=1) x 0.001 = 0.0127
+# (two batches 0.001 either side of the mean: s/sqrt(2) = 0.001); "< 5% of switch": mean < 0.01.
+HAND_CHECKS = """\
+step  uniform updates  mean benefit    95% CI (batches)  < 5% of switch  CI contains 0   settled
+ 800               32       +0.0500  [+0.0373, +0.0627]              no             no        no
+ 832               64       +0.0060  [-0.0067, +0.0187]             yes            yes  yes <- F
+ 864               96       +0.0040  [-0.0087, +0.0167]             yes            yes       yes
+ 896              128       +0.0020  [-0.0107, +0.0147]             yes            yes       yes
+ 928              160       -0.0030  [-0.0157, +0.0097]             yes            yes       yes
+ 960              192       +0.0010  [-0.0117, +0.0137]             yes            yes       yes
+ 992              224       +0.0000  [-0.0127, +0.0127]             yes            yes       yes
+1024              256       +0.0030  [-0.0097, +0.0157]             yes            yes       yes"""
+
+
+def test_the_checks_table_written_out_in_full():
+    assert format_checks(finish_length(pilot_monitor())) == HAND_CHECKS
+    # At the 90% level the half-width is t(0.95, df=1) x 0.001 = 0.0063; 0.5 x the switch's 0.20 is 0.10, which
+    # only 800 (0.05) is below besides the later checks: every check settles, the table says so in every column.
+    finish = finish_length(pilot_monitor(), threshold=0.5, options=IntervalOptions(level=0.9))
+    half = stats.t.ppf(0.95, df=1) * SPREAD
+    assert finish.checks[0].lower == pytest.approx(0.05 - half) and finish.checks[0].upper == pytest.approx(0.05 + half)
+    assert format_checks(finish).splitlines()[:3] == [
+        "step  uniform updates  mean benefit    90% CI (batches)  < 50% of switch  CI contains 0   settled",
+        " 800               32       +0.0500  [+0.0437, +0.0563]              yes             no  yes <- F",
+        " 832               64       +0.0060  [-0.0003, +0.0123]              yes            yes       yes",
+    ]
+
+
+def test_the_interval_is_over_batches_at_the_level_asked():
+    finish = finish_length(pilot_monitor(), options=IntervalOptions(level=0.9))
+    assert finish.level == 0.9 and finish.switch.unit == "batch" and finish.switch.n == 2
+    low, high = stats.t.interval(0.9, df=1, loc=0.2, scale=SPREAD)
+    assert (finish.switch.lower, finish.switch.upper) == (pytest.approx(low), pytest.approx(high))
+
+
+def test_settling_at_the_exact_threshold_and_an_interval_touching_zero():
+    # Batches without spread: the switch 0.25, the first check after it 0.125 = 0.5 x 0.25 exactly (not below
+    # half the switch's benefit), every later one exactly 0 (its interval [0, 0] contains 0, at both ends).
+    ds = pilot_monitor()
+    ds["benefit"][:] = np.array([0.01, 0.25, 0.125] + [0.0] * 7)[:, None, None]
+    for rule in ("fraction", "zero", "either"):
+        finish = finish_length(ds, threshold=0.5, rule=rule)
+        assert finish.finish_updates == 64 and finish.after == 32, rule
+        first, second = finish.checks[:2]
+        assert (first.below_threshold, first.contains_zero, first.settled) == (False, False, False)
+        assert (second.lower, second.upper) == (0.0, 0.0) and second.contains_zero and second.below_threshold
+
+
+def test_one_batch_per_check_serves_the_fraction_rule_only():
+    one = pilot_monitor().isel(batch=[0])
+    finish = finish_length(one)
+    assert finish.finish_updates == 64 and {check.n for check in finish.checks} == {1}
+    assert "intervals over 1 batches of one run" in describe_finish(finish)
+    for rule in ("zero", "either"):
+        with pytest.raises(InputError, match=rf"^pilot\.h5: one batch per check gives no interval .* '{rule}' rule"):
+            finish_length(one, source="pilot.h5", rule=rule)
+
+
+def test_checks_with_different_batch_counts_are_described_as_a_range():
+    ds = pilot_monitor()
+    ds["benefit"][STEPS.index(832), 1, :] = np.nan  # one batch of the check at 832 lost
+    finish = finish_length(ds)
+    assert [check.n for check in finish.checks] == [2, 1, 2, 2, 2, 2, 2, 2]
+    assert describe_finish(finish).endswith("intervals over 1-2 batches of one run (batch noise only)")
+
+
+def test_a_margin_is_read_to_nine_decimals():
+    # 1.10000000003 x 10 = 11.0000000003: 11 to nine decimals, so F' = 11 (to ten decimals it would ask for 12).
+    assert switch_plan(10, updates=100, margin=1.10000000003).planned_finish_updates == 11
+    assert switch_plan(10, updates=100, margin=1.1000000003).planned_finish_updates == 12
+
+
+def hand_pilot(tmp_path, **monitor_kwargs):
+    path = tmp_path / "monitor.h5"
+    write_dataset(pilot_monitor(**monitor_kwargs), path)
+    return path
+
+
+def test_the_printed_recommendation_written_out_in_full(tmp_path):
+    path = hand_pilot(tmp_path)
+    rec = recommend(RecommendConfig(monitor=path, updates=1024))
+    assert format_recommendation(rec) == "\n".join(
+        [
+            f"pilot: {path} (fixed-first:k0=4,switch=0.75,finish=uniform:1-16 over 1,024 updates, switch at step 768)",
+            "depth-averaged benefit at the switch: +0.2000 [+0.1873, +0.2127] over 2 batches; after it:",
+            HAND_CHECKS,
+            "F = 64 uniform updates: from step 832 on, every check settled (mean benefit below 5% of the switch's), "
+            "7 checks (needed: 2); the crossing lies in (32, 64]; intervals over 2 batches of one run "
+            "(batch noise only)",
+            "F' = ceil(1.5 x 64) = 96 finishing updates (safety margin 1.5)",
+            "for 1,024 updates: switch = 1 - 96/1,024 = 0.90625, the switch at step 928 (96 finishing updates)",
+            "recommended: fixed-first:k0=4,switch=0.90625,finish=uniform:1-16",
+            "modeled training compute (the pilot's model, 32 x 64 tokens per update, LM head excluded), "
+            "over 1,024 updates:",
+            "  fixed-first:k0=4,switch=0.90625,finish=uniform:1-16: 56.75% of uniform:1-16 (saves 43.25%)",
+            "  fixed-first:k0=4,switch=0.8,finish=uniform:1-16 (the paper's 80% switch): 61.83% of uniform:1-16; "
+            "the recommendation needs 91.78% of its compute (saves 8.22%)",
+        ]
+    )
+    assert (rec.monitor, rec.pilot_schedule, rec.pilot_updates) == (
+        str(path),
+        "fixed-first:k0=4,switch=0.75,finish=uniform:1-16",
+        1024,
+    )
+    assert (rec.batch_size, rec.seq_len, rec.include_embeddings) == (32, 64, False)
+
+
+def test_a_recommendation_that_costs_more_than_the_paper_and_counts_the_head(tmp_path):
+    # N = 200: F' = 96 leaves 104 updates at K0 = 4, fewer than the paper's round(0.8 x 200) = 160.
+    rec = recommend(RecommendConfig(monitor=hand_pilot(tmp_path), updates=200, include_embeddings=True))
+    recommended = modeled_compute(104 * 4 + 96 * 8.5, updates=200, head=True)
+    paper = modeled_compute(160 * 4 + 40 * 8.5, updates=200, head=True)
+    uniform = modeled_compute(200 * 8.5, updates=200, head=True)
+    assert rec.recommended.modeled_flops == pytest.approx(recommended) and rec.uniform_flops == pytest.approx(uniform)
+    assert rec.saving_vs_paper == pytest.approx(1 - recommended / paper) and rec.saving_vs_paper < 0
+    lines = format_recommendation(rec).splitlines()
+    assert lines[-5:] == [
+        "for 200 updates: switch = 1 - 96/200 = 0.52, the switch at step 104 (96 finishing updates)",
+        "recommended: fixed-first:k0=4,switch=0.52,finish=uniform:1-16",
+        "modeled training compute (the pilot's model, 32 x 64 tokens per update, LM head included), over 200 updates:",
+        f"  fixed-first:k0=4,switch=0.52,finish=uniform:1-16: {recommended / uniform:.2%} of uniform:1-16 "
+        f"(saves {1 - recommended / uniform:.2%})",
+        f"  fixed-first:k0=4,switch=0.8,finish=uniform:1-16 (the paper's 80% switch): {paper / uniform:.2%} of "
+        f"uniform:1-16; the recommendation needs {recommended / paper:.2%} of its compute "
+        f"(costs {recommended / paper - 1:.2%} more)",
+    ]
+    assert lines[-1].endswith("needs 121.10% of its compute (costs 21.10% more)")
+
+
+def test_a_recommendation_equal_to_the_papers_saves_nothing_and_a_clamped_one_finishes_throughout(tmp_path):
+    path = hand_pilot(tmp_path)
+    # N = 480: F' = 96 is exactly the paper's last 20%: the same schedule, the same compute.
+    same = recommend(RecommendConfig(monitor=path, updates=480))
+    assert same.spec == same.paper.spec == "fixed-first:k0=4,switch=0.8,finish=uniform:1-16"
+    assert same.saving_vs_paper == 0.0
+    assert format_recommendation(same).endswith("the recommendation needs 100.00% of its compute (saves 0.00%)")
+    # N = 80 < F' = 96: the whole run finishes.
+    clamped = format_recommendation(recommend(RecommendConfig(monitor=path, updates=80))).splitlines()
+    assert clamped[-5] == (
+        "for 80 updates: switch = 0 (clamped from 1 - 96/80 < 0: the whole run is the finishing phase and still "
+        "shorter than F'), the switch at step 0 (80 finishing updates)"
+    )
+    assert clamped[-4] == "recommended: fixed-first:k0=4,switch=0,finish=uniform:1-16"
+
+
+def test_recommend_passes_every_setting_on(tmp_path):
+    path = hand_pilot(tmp_path)
+    options = IntervalOptions(level=0.9)
+    config = RecommendConfig(
+        monitor=path, updates=1024, threshold=0.3, checks=3, margin=2.0, rule="either", options=options
+    )
+    rec = recommend(config)
+    expected = finish_length(open_monitor(path), threshold=0.3, checks=3, rule="either", options=options)
+    assert rec.finish == expected
+    assert (rec.finish.rule, rec.finish.checks_needed, rec.finish.level) == ("either", 3, 0.9)
+    # 0.3 x 0.20 = 0.06: every check after the switch is below it, F = 32; F' = 2 x 32 = 64.
+    assert rec.finish.finish_updates == 32
+    assert (rec.plan.margin, rec.plan.planned_finish_updates, rec.plan.switch_step) == (2.0, 64, 960)
+
+
+def test_the_pilots_config_is_read_and_refused_by_file(tmp_path):
+    path = tmp_path / "monitor.h5"
+    broken = pilot_monitor()
+    broken.attrs["config"] = "{not json"
+    write_dataset(broken, path)
+    with pytest.raises(InputError, match=rf"^{path}: config is not valid JSON"):
+        recommend(RecommendConfig(monitor=path, updates=1024))
+    # A uniform pilot that still records a switch step: the schedule has no switch to move.
+    write_dataset(pilot_monitor(config=load_config("configs/tiny-uniform-monitor.toml")), path)
+    with pytest.raises(InputError, match=rf"^{path}: the pilot's schedule uniform:1-16 is not fixed-first"):
+        recommend(RecommendConfig(monitor=path, updates=1024))
+
+
+def test_the_comparison_grid_written_out_in_full_reads_back(tmp_path):
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "grids").mkdir()
+    base = tmp_path / "configs" / "base.toml"
+    base.write_text(Path("configs/tiny-monitor.toml").read_text())
+    out = tmp_path / "grids" / "compare.toml"
+    rec = recommend(RecommendConfig(monitor=hand_pilot(tmp_path), updates=1024))
+    text = comparison_grid(rec, base=base, out=out, seeds=(0, 1))
+    assert text == "\n".join(
+        [
+            f"# Written by depthdiag recommend from {tmp_path / 'monitor.h5'}:",
+            "# F = 64 uniform updates, F' = 96 with the margin 1.5. The recommended schedule",
+            "# against the paper's 80% switch and uniform:1-16 over the same updates, for every seed.",
+            'base = "../configs/base.toml"',
+            'serving = "1-16"',
+            "",
+            "[set]",
+            '"train.updates" = 1024',
+            '"train.snapshot_uniform_updates" = []',
+            '"monitor.every" = 0',
+            "",
+            "[axes.schedule]",
+            'recommended = "fixed-first:k0=4,switch=0.90625,finish=uniform:1-16"',
+            'ff80 = "fixed-first:k0=4,switch=0.8,finish=uniform:1-16"',
+            'uniform = "uniform:1-16"',
+            "",
+            "[axes]",
+            "seed = [0, 1]",
+            "",
+        ]
+    )
+    out.write_text(text)
+    spec = load_grid(out)
+    assert spec.base.resolve() == base.resolve() and spec.serving == "1-16"
+    assert [axis.name for axis in spec.axes] == ["schedule", "seed"]
