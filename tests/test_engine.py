@@ -333,8 +333,22 @@ def test_more_than_two_update_depths_give_benefit_against_each():
     np.testing.assert_array_equal(ds.benefit.values, ds.benefit_all.values[-1])
     matched_rms = ds.update_rms.values * ds.rms_scale.values
     np.testing.assert_allclose(matched_rms, np.exp(np.log(ds.update_rms.values).mean()), rtol=1e-9)
+    assert ds.benefit.attrs["description"] == (
+        "NLL after the update at depth 2 minus NLL after the update at depth 6; positive favours the depth-6 update"
+    )
     two = diag.compare_updates(model, opt, tokens(4, 7), tokens(4, 8))
     assert "benefit_all" not in two and two.sizes == {"update_depth": 2, "serving_depth": 16}
+
+
+def test_compare_updates_passes_its_evaluation_batch_size_on():
+    model, opt = adamw_setup()
+    args = (model, opt, tokens(4, 7), tokens(5, 8))
+    kwargs = dict(update_depths=(1, 2), serving_depths=(1, 2))
+    whole = diag.compare_updates(*args, **kwargs)
+    one_by_one = diag.compare_updates(*args, eval_batch_size=1, **kwargs)
+    np.testing.assert_allclose(one_by_one.nll.values, whole.nll.values, rtol=0, atol=1e-6)
+    with pytest.raises(InputError, match="eval_batch_size must be >= 1, got 0"):
+        diag.compare_updates(*args, eval_batch_size=0, **kwargs)
 
 
 @dataclass

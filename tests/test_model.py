@@ -543,3 +543,15 @@ def test_with_every_target_counted_the_coda_runs_as_whole_blocks():
         calls.clear()
         model.nll_by_depth(x, y.masked_fill(torch.rand(2, 8) < 0.5, -1), [2, 1])
     assert calls == [model.coda[0]] * 2  # the last block split into attention, then the counted tokens' MLP
+
+
+def test_compile_blocks_compiles_every_block_for_static_shapes(monkeypatch):
+    # Static shapes: one graph per block shape, shared by every depth (the depth loop stays in Python). Whether
+    # the compiled forward equals the eager one is tests/test_fast_paths.py's; here, what is asked of torch.compile.
+    model = LoopedTransformer(ModelConfig(vocab_size=64, max_seq_len=16, d_model=32, n_heads=2))
+    calls = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: calls.append((self, kwargs)))
+    model.compile_blocks()
+    blocks = [*model.prelude, *model.core, *model.coda]
+    assert [block for block, _ in calls] == blocks and len(blocks) == 4
+    assert all(kwargs == {"dynamic": False} for _, kwargs in calls)

@@ -7,7 +7,8 @@ import pytest
 from scipy import stats
 
 from common.errors import InputError
-from trainer.schedules import PLNSchedule, ProgressiveSchedule, parse_schedule
+from trainer.rng import batch_rng, seeded_generator
+from trainer.schedules import DEPTH_SALT, PLNSchedule, ProgressiveSchedule, parse_schedule
 
 ALPHA = 1e-3  # goodness-of-fit tests use fixed seeds, so a pass is reproducible
 
@@ -200,6 +201,32 @@ def test_depths_are_pure_in_seed_and_step(spec):
     assert forward == backward
     other_seed = depths_of(parse_schedule(spec, seed=8, total_updates=200), steps)
     assert forward != other_seed
+
+
+def test_a_depth_draw_is_the_generator_of_seed_step_and_the_depth_salt():
+    # trainer/rng.py's recipe: (seed, step, DEPTH_SALT), independent of the batch generator of (seed, step).
+    schedule = parse_schedule("uniform:1-16", seed=3, total_updates=100)
+    depths = depths_of(schedule, range(100))
+    assert depths == [int(seeded_generator(3, step, DEPTH_SALT).integers(1, 17)) for step in range(100)]
+    assert depths != [int(batch_rng(3, step).integers(1, 17)) for step in range(100)]
+    # A negative seed is taken modulo 2**64 (seed words must be non-negative): -1 draws as 2**64 - 1 does,
+    # and seeds that differ by less than 2**64 draw differently.
+    assert depths_of(parse_schedule("uniform:1-16", seed=-1, total_updates=100), range(100)) == depths_of(
+        parse_schedule("uniform:1-16", seed=2**64 - 1, total_updates=100), range(100)
+    )
+    assert depths_of(parse_schedule("uniform:1-16", seed=0, total_updates=100), range(100)) != depths_of(
+        parse_schedule("uniform:1-16", seed=2, total_updates=100), range(100)
+    )
+
+
+@pytest.mark.parametrize("step", [-1, True, 1.0, "1"])
+def test_a_step_that_is_not_a_non_negative_integer_is_refused(step):
+    schedule = parse_schedule("uniform:1-16", seed=0, total_updates=10)
+    with pytest.raises(InputError, match="step must be a non-negative integer"):
+        schedule.depth_at(step)
+    with pytest.raises(InputError, match="step must be a non-negative integer"):
+        schedule.depth_distribution(step)
+    assert schedule.depth_at(np.int64(3)) == schedule.depth_at(3)
 
 
 # --- distributions --------------------------------------------------------------------------

@@ -327,6 +327,20 @@ def test_finishing_phase_by_hand():
     assert "seed 0: 8, seed 1: 4, seed 2: 16" in text and "contains zero: 4 uniform updates" in text
 
 
+def test_finishing_phase_takes_its_fraction_and_level():
+    curves = [[1, 0.5, 0.01, 0.01], [1, 0.01, 0.01, 0.01], [1, 0.5, 0.5, 0.01]]
+    # Seed-mean curve 1, 0.34, 0.17, 0.01: below 0.6 from 4 on, and so is every seed's own curve.
+    loose = finishing_phase(seed_curves(curves), fraction=0.6)
+    assert loose.fraction == 0.6 and loose.decay_updates == 4
+    assert [decay.uniform_updates for decay in loose.per_seed] == [4, 4, 4]
+    # At the 50% level the seeds' interval after 4 updates (0.5, 0.01, 0.5) no longer reaches zero, nor does any
+    # later one: [0.01, 0.01, 0.5] after 8, three equal seeds after 16.
+    narrow = finishing_phase(seed_curves(curves), options=IntervalOptions(level=0.5))
+    after_four = scipy_t([0.5, 0.01, 0.5], level=0.5)
+    assert after_four[0] > 0 and narrow.first_zero_overlap is None
+    assert (narrow.switch.lower, narrow.switch.upper) == pytest.approx((1.0, 1.0))
+
+
 def test_no_interval_containing_zero_within_the_grid():
     phase = finishing_phase(seed_curves([[1, 0.5, 0.2, 0.1], [1, 0.6, 0.3, 0.2], [1, 0.4, 0.25, 0.15]]))
     assert phase.first_zero_overlap is None and phase.zero_overlap is None

@@ -9,7 +9,9 @@ follows, one line each: its change, and either the reason it is equivalent
 
 An equivalent mutant is named by its function and its change (the removed and the added line),
 not by mutmut's number, which shifts when the function changes: an entry whose change no longer
-occurs is reported as stale, so a reason never outlives the code it was written for.
+occurs is reported as stale, so a reason never outlives the code it was written for. The same file
+names, under [[killed_outside]], the few mutants a test kills that cannot run under mutmut (its
+trampoline adds a stack frame); they count as killed, each with the test and why.
 
 Run from the repository root after `mutmut run`: python tests/mutation/report.py > REPORT.md
 """
@@ -80,13 +82,15 @@ def _number_order(name: str) -> tuple[str, int]:
     return function, int(number)
 
 
-def load_equivalent() -> dict[tuple[str, str, str], str]:
-    entries = tomllib.loads(EQUIVALENT.read_text())["equivalent"] if EQUIVALENT.exists() else []
-    return {(e["function"], e["removed"], e["added"]): e["why"] for e in entries}
+def load_entries(kind: str) -> dict[tuple[str, str, str], dict]:
+    """[[equivalent]] or [[killed_outside]] entries of tests/mutation/equivalent.toml, by key."""
+    entries = tomllib.loads(EQUIVALENT.read_text()).get(kind, []) if EQUIVALENT.exists() else []
+    return {(e["function"], e["removed"], e["added"]): e for e in entries}
 
 
 def report(paths: list[str]) -> str:
-    equivalent = load_equivalent()
+    equivalent = {key: entry["why"] for key, entry in load_entries("equivalent").items()}
+    killed_outside = load_entries("killed_outside")
     used: set[tuple[str, str, str]] = set()
     unchecked_functions: set[str] = set()
     rows, details = [], []
@@ -97,22 +101,27 @@ def report(paths: list[str]) -> str:
         counts = Counter(m.status for m in checked)
         undetected = [m for m in checked if m.status not in DETECTED]
         shown = [m for m in undetected if m.status == "survived" and m.key in equivalent]
-        used.update(m.key for m in shown)
-        killed = counts["killed"] + counts["timeout"]
+        outside = [m for m in undetected if m.status == "survived" and m.key in killed_outside]
+        used.update(m.key for m in shown + outside)
+        killed = counts["killed"] + counts["timeout"] + len(outside)
         score = killed / (len(checked) - len(shown)) if len(checked) > len(shown) else math.nan
         other = len(undetected) - counts["survived"] - counts["no tests"]
         rows.append(
-            f"| `{path}` | {len(mutants)} | {len(checked)} | {killed} | {counts['survived'] - len(shown)} "
+            f"| `{path}` | {len(mutants)} | {len(checked)} | {killed} | {counts['survived'] - len(shown) - len(outside)} "
             f"| {counts['no tests']} | {len(shown)} | {other} | {score:.1%} |"
         )
         if undetected:
             details.append(f"\n### `{path}`\n")
             for m in undetected:
-                why = equivalent.get(m.key) if m.status == "survived" else None
-                verdict = f"equivalent: {why}" if why else f"**{m.status}**"
+                verdict = f"**{m.status}**"
+                if m.status == "survived" and m.key in equivalent:
+                    verdict = f"equivalent: {equivalent[m.key]}"
+                elif m.status == "survived" and m.key in killed_outside:
+                    entry = killed_outside[m.key]
+                    verdict = f"killed outside mutmut by `{entry['test']}`: {entry['why']}"
                 details.append(f"- `{m.name.rpartition('.')[2]}` `{m.removed}` -> `{m.added}`: {verdict}")
     # An entry for a function with mutants still unchecked may yet match one of them.
-    stale = [key for key in equivalent if key not in used and key[0] not in unchecked_functions]
+    stale = [key for key in (*equivalent, *killed_outside) if key not in used and key[0] not in unchecked_functions]
     lines = [
         "| module | mutants | checked | killed | survived | no tests | equivalent | other | score |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -139,8 +148,10 @@ test passes, *no tests* when no selected test reaches its function, *not checked
 stopped before it. The score is killed / (checked - equivalent), where checked counts every
 mutant the run reached ("no tests" included, as not killed); an equivalent mutant computes the
 same results as the code for every input it can receive (the reason stands beside it below, from
-`tests/mutation/equivalent.toml`). Input checks' `raise InputError(...)` statements
-are not mutated (their conditions are): a message is not a number we publish.
+`tests/mutation/equivalent.toml`). A mutant *killed outside mutmut* is killed by a test that
+cannot run under mutmut (it is deselected there; the test and the reason stand beside it) and
+counts as killed. Input checks' `raise InputError(...)` statements are not mutated (their
+conditions are): a message is not a number we publish.
 
 Tests run against the mutants: {tests}.
 """
