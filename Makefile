@@ -18,14 +18,14 @@ TORCH_INDEX ?=
 CONFIG ?= configs/tiny.toml
 NAME := $(basename $(notdir $(CONFIG)))
 # Training seeds: the unit of replication. Each seed trains and is diagnosed on its own.
-# Five, because at three the switch benefit's interval over seeds still reaches zero (README).
+# Five, because at three the switch benefit's interval over seeds still reaches zero (docs/results.md).
 SEEDS ?= 0 1 2 3 4
 # Diagnostic batches per snapshot (each one is a (snapshot, batch) unit). Batch noise
 # is small next to seed noise at this count (summarize prints both variances).
 BATCHES ?= 4
 # The seeds' training and diagnose jobs run JOBS at a time, one torch thread each: tiny
 # models use one core better than two threads share it, and more jobs than cores lose
-# more to switching between them than an idle core at the end costs (README).
+# more to switching between them than an idle core at the end costs (docs/performance.md).
 JOBS ?= 2
 THREADS ?= 1
 # The evaluation set the diagnostic scores: `auto` (bioS: `attributes`, the evaluation
@@ -40,9 +40,12 @@ SEED_RESULTS := $(foreach seed,$(SEEDS),$(RESULTS)/seed$(seed).h5)
 FIGURE := $(RESULTS)/figure4.png
 SUMMARY := $(RESULTS)/summary.txt
 
-TRAINER_SOURCES := $(filter-out trainer/corpus.py,$(wildcard trainer/*.py)) $(wildcard common/*.py)
-DIAG_SOURCES := $(wildcard diag/*.py)
-ANALYSIS_SOURCES := $(wildcard analysis/*.py)
+# What each stage's outputs are computed by, the command that runs it included (the lm-eval
+# adapter and the text tokenizer lookup never run in these pipelines).
+TRAINER_SOURCES := $(filter-out trainer/corpus.py trainer/lm_harness.py trainer/text_tokens.py,$(wildcard trainer/*.py)) \
+	$(wildcard common/*.py) depthdiag/cli/train.py
+DIAG_SOURCES := $(wildcard diag/*.py) depthdiag/cli/diagnose.py
+ANALYSIS_SOURCES := $(wildcard analysis/*.py analysis/*/*.py) depthdiag/cli/results.py
 
 .PHONY: setup figure4 figure4-files figure-map summary reference sensitivity monitor test test-slow mutants bench flops clean corpus lint \
   figure1 figure2 figure3-loss figure5 table3 finishing-phase
@@ -175,14 +178,14 @@ GRID_RESULTS ?= results/grids
 # The stamp marks a grid whose cells are trained (precious: make must not delete it as an
 # intermediate file); a changed base config or trainer source
 # retrains every cell (as for figure4's runs), a changed grid file only its new cells.
-$(GRID_RUNS)/%$(GRID_SUFFIX)/.trained: $(GRIDS)/%.toml $(GRID_CONFIG) $(TRAINER_SOURCES) diag/grid.py | $(VENV)/.installed
+$(GRID_RUNS)/%$(GRID_SUFFIX)/.trained: $(GRIDS)/%.toml $(GRID_CONFIG) $(TRAINER_SOURCES) depthdiag/grid.py | $(VENV)/.installed
 	if [ -e $@ ] && [ -n "$$(find $(GRID_CONFIG) $(TRAINER_SOURCES) -newer $@)" ]; then rm -rf $(dir $@); fi
 	$(DEPTHDIAG) grid run $< --runs $(dir $@) --jobs $(GRID_JOBS) --threads $(GRID_THREADS) $(GRID_BASE) $(GRID_OPTIONS)
 	touch $@
 
 .PRECIOUS: $(GRID_RUNS)/%/.trained
 
-$(GRID_RESULTS)/%$(GRID_SUFFIX).h5: $(GRID_RUNS)/%$(GRID_SUFFIX)/.trained $(GRIDS)/%.toml diag/grid.py analysis/grid.py
+$(GRID_RESULTS)/%$(GRID_SUFFIX).h5: $(GRID_RUNS)/%$(GRID_SUFFIX)/.trained $(GRIDS)/%.toml depthdiag/grid.py analysis/grid.py analysis/grid_file.py
 	mkdir -p $(dir $@)
 	$(DEPTHDIAG) grid collect $(GRIDS)/$*.toml --runs $(dir $<) --out $@ --force --jobs $(GRID_JOBS) \
 	  $(if $(GRID_SERVING),--serving $(GRID_SERVING)) $(GRID_BASE) $(GRID_OPTIONS)
@@ -236,7 +239,7 @@ $(FINISHING)/grid.toml: $(PILOT)/summary.json $(ANALYSIS_SOURCES)
 	  --seeds $(FINISH_SEEDS) --force $(RECOMMEND_OPTIONS) > $(FINISHING)/recommendation.txt
 	cat $(FINISHING)/recommendation.txt
 
-$(FINISHING)/grid.h5: $(FINISHING)/grid.toml diag/grid.py analysis/grid.py
+$(FINISHING)/grid.h5: $(FINISHING)/grid.toml depthdiag/grid.py analysis/grid.py analysis/grid_file.py
 	$(DEPTHDIAG) grid run $< --runs $(FINISH_RUNS) --jobs $(GRID_JOBS) --threads $(GRID_THREADS) $(GRID_OPTIONS)
 	$(DEPTHDIAG) grid collect $< --runs $(FINISH_RUNS) --out $@ --force --jobs $(GRID_JOBS) $(GRID_OPTIONS)
 
@@ -284,7 +287,7 @@ mutants: $(VENV)/.installed-mutants
 
 bench: $(VENV)/.installed
 	$(PY) bench/run.py --config configs/tiny.toml
-	$(PY) bench/report.py bench/results.json README.md
+	$(PY) bench/report.py bench/results.json docs/performance.md
 
 flops: $(VENV)/.installed
 	$(DEPTHDIAG) flops configs/paper-200m.toml --updates 4800 --match uniform:1-16

@@ -1,16 +1,13 @@
 """Confidence intervals for the update-diagnostic benefit (pure numpy/scipy/xarray).
 
-The unit of replication is the training seed. Serving depths of one batch are
-evaluated on the same update and the same evaluation tokens, so they are strongly
-correlated and are averaged within the batch first; batches within a seed share
-the trained weights, so they are averaged within the seed; the headline interval
-is a Student-t interval over the per-seed means (n = seeds). The within-seed
-interval over batches is secondary: it measures batch noise only, and a rerun of
-the same seed elsewhere can fall outside it. With one file (no `seed` dimension)
-the only interval available is the batch one, and it is labelled as such.
-
-Incomplete units (NaN, e.g. the padding where snapshots of one file have different
-batch counts) are left out and do not count in n.
+The unit of replication is the training seed. Serving depths of one batch are evaluated on the
+same update and evaluation tokens, so they are strongly correlated and averaged within the
+batch first; batches within a seed share the trained weights, so they are averaged within the
+seed; the headline interval is a Student-t interval over the per-seed means (n = seeds). The
+within-seed interval over batches is secondary: it measures batch noise only, and a rerun of
+the same seed elsewhere can fall outside it. With one file (no `seed` dimension) the only
+interval is the batch one, labelled as such. Incomplete units (NaN, e.g. the padding where
+snapshots of one file have different batch counts) are left out and do not count in n.
 """
 
 from __future__ import annotations

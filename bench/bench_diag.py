@@ -13,7 +13,7 @@ Everything runs on the evaluation set a default `depthdiag diagnose` of the conf
 2. Evaluation variants, measured on the same updates: chunk sizes, both updates stacked
    under torch.func.vmap, and the first version's readout of every token.
 3. One unit against the sum of its unavoidable parts (two forward+backward passes, one
-   all-depth evaluation per update). Contract (DESIGN.md section 8): at most 1.15x.
+   all-depth evaluation per update). Contract (docs/performance.md): at most 1.15x.
 4. Peak resident memory of a diagnose process against the size of weights plus
    optimizer state (a fresh subprocess, so nothing else inflates its peak).
 

@@ -1,6 +1,6 @@
 """nll_by_depth over serving depths 1..S vs S separate forwards, for S = 16 and 64.
 
-Contract (DESIGN.md section 8): the measured speed-up of the one-pass evaluation
+Contract (docs/performance.md): the measured speed-up of the one-pass evaluation
 reaches at least 85% of the speed-up the FLOPs model predicts. Both paths are
 timed alternately in the same run, so machine noise hits both; only ratios are
 reported.

@@ -1,5 +1,5 @@
 """The in-training monitor's cost: its checks as a fraction of the training time of a run
-with the config's [monitor] setting (contract, DESIGN.md section 8: at most 15%).
+with the config's [monitor] setting (contract, docs/performance.md: at most 15%).
 
     python bench/bench_monitor.py [--config configs/tiny-monitor.toml] [--set key=value ...]
 

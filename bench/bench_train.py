@@ -27,8 +27,9 @@ from trainer.data import build_source
 from trainer.distributed import resolve_device
 from trainer.flops import update_flops
 from trainer.model import LoopedTransformer
+from trainer.optim import lr_at
 from trainer.schedules import parse_schedule
-from trainer.train import TrainStep, lr_at
+from trainer.train import TrainStep
 
 FIXED_FIRST = "fixed-first:k0=4,switch=0.8,finish=uniform:1-16"
 UNIFORM = "uniform:1-16"

@@ -1,6 +1,6 @@
-"""Render bench/results.json as the README's performance section (between its markers).
+"""Render bench/results.json into the measured part of docs/performance.md (between its markers).
 
-.venv/bin/python bench/report.py bench/results.json README.md
+.venv/bin/python bench/report.py [bench/results.json [docs/performance.md]]
 """
 
 from __future__ import annotations
@@ -10,6 +10,10 @@ import os
 import sys
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_RESULTS = ROOT / "bench" / "results.json"
+DEFAULT_REPORT = ROOT / "docs" / "performance.md"
+"""The page whose markers the measurements go between (the performance contracts' page)."""
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
@@ -110,17 +114,20 @@ def render(results: dict) -> str:
 
 
 def main() -> None:
-    results_path, readme_path = Path(sys.argv[1]), Path(sys.argv[2])
+    if len(sys.argv) > 3:
+        sys.exit("usage: bench/report.py [RESULTS_JSON [REPORT_MD]]")
+    results_path = Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_RESULTS
+    report_path = Path(sys.argv[2]) if len(sys.argv) > 2 else DEFAULT_REPORT
     results = json.loads(results_path.read_text(encoding="utf-8"))
-    readme = readme_path.read_text(encoding="utf-8")
-    if BEGIN not in readme or END not in readme:
-        sys.exit(f"{readme_path}: no {BEGIN} ... {END} markers to fill")
-    head, rest = readme.split(BEGIN, 1)
+    report = report_path.read_text(encoding="utf-8")
+    if BEGIN not in report or END not in report:
+        sys.exit(f"{report_path}: no {BEGIN} ... {END} markers to fill")
+    head, rest = report.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    tmp = readme_path.with_suffix(".md.tmp")
+    tmp = report_path.with_suffix(".md.tmp")
     tmp.write_text(f"{head}{BEGIN}\n{render(results)}\n{END}{tail}", encoding="utf-8")
-    os.replace(tmp, readme_path)
-    print(f"updated {readme_path} from {results_path}")
+    os.replace(tmp, report_path)
+    print(f"updated {report_path} from {results_path}")
 
 
 if __name__ == "__main__":

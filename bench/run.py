@@ -1,8 +1,8 @@
 """`make bench`: every benchmark in one process, one after another, into bench/results.json.
 
 Each figure is a ratio of two sides measured alternately in this run (never an
-absolute time compared with a threshold), printed next to its target. The README's
-performance table is rendered from the written file by bench/report.py.
+absolute time compared with a threshold), printed next to its target. The measured
+part of docs/performance.md is rendered from the written file by bench/report.py.
 
     .venv/bin/python bench/run.py [--config configs/tiny.toml] [--monitor-config configs/tiny-monitor.toml]
                                   [--out bench/results.json]
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 def help_seconds(repeats: int = 5) -> float:
     """Median wall time of `depthdiag --help` in a fresh interpreter."""
-    command = [sys.executable, "-c", "from diag.cli import main; main(['--help'])"]
+    command = [sys.executable, "-c", "from depthdiag.cli import main; main(['--help'])"]
     times = []
     for _ in range(repeats):
         began = time.perf_counter()

@@ -13,10 +13,45 @@ its depth, so a typo such as '4,160' is refused rather than run.
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Iterable
+
 from common.errors import InputError
 
 MAX_SERVING_DEPTH = 64
 """The deepest serving or update depth the command line accepts without `--max-depth`."""
+UPDATE_DEPTHS = (4, 16)
+"""The compared update depths by default: the paper's K = 4 (the reference) against K = 16."""
+SERVING_DEPTHS = tuple(range(1, 17))
+"""The serving depths the benefit is measured at by default: 1..16, the paper's."""
+
+
+def checked_depths(values: Iterable[int], name: str, *, limit: int | None = None) -> tuple[int, ...]:
+    """`values` as a tuple of int depths, in their order, refused (InputError naming `name`)
+    unless every one is a positive integer (numpy's included, bools not), at most `limit`, and
+    none repeats. The one check of a depth list given as numbers (the API, config files)."""
+    depths = tuple(values)
+    for depth in depths:
+        if isinstance(depth, bool) or not hasattr(type(depth), "__index__") or operator.index(depth) < 1:
+            raise InputError(f"{name} must be positive integers, got {depth!r}")
+    depths = tuple(operator.index(depth) for depth in depths)
+    if limit is not None and any(depth > limit for depth in depths):
+        raise InputError(f"{name} must be depths in 1..{limit}, got {list(depths)}")
+    if len(set(depths)) != len(depths):
+        raise InputError(f"{name} must not repeat a depth, got {list(depths)}")
+    return depths
+
+
+def depths_text(depths: Iterable[int]) -> str:
+    """Depths as the command line writes them, runs of three or more as ranges: (4, 16) -> '4,16',
+    1..16 -> '1-16'."""
+    runs: list[list[int]] = []
+    for depth in depths:
+        if runs and depth == runs[-1][-1] + 1:
+            runs[-1].append(depth)
+        else:
+            runs.append([depth])
+    return ",".join(f"{run[0]}-{run[-1]}" if len(run) >= 3 else ",".join(map(str, run)) for run in runs)
 
 
 def _depths_in_order(text: str, option: str, limit: int | None) -> list[int]:

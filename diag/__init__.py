@@ -7,7 +7,7 @@ runs one (snapshot, batch) unit; `UpdateDiagnostic` shares the per-snapshot work
 many snapshot files, or the `AdaptedModel` an adapter function returns, into one
 results file. See docs/diagnostic.md.
 
-The names below load on first use: `import diag.cli` (the `depthdiag` command)
+The names below load on first use: `import depthdiag.cli` (the `depthdiag` command)
 must not pay for importing torch and xarray just to print its help.
 """
 

@@ -36,34 +36,24 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 import xarray as xr
 from torch import Tensor
 
 from common.benefit import benefit_description
 from common.choices import ISOLATE_CHOICES, PRECISION_CHOICES, RMS_MATCH_CHOICES
+from common.depths import SERVING_DEPTHS, UPDATE_DEPTHS, checked_depths
 from common.errors import InputError
 from diag.optim_step import OptimizerStep, optimizer_step
+from trainer.loss import clip_gradients_, counted_targets, forward_precision, summed_token_loss
 from trainer.model import IGNORE_INDEX, LoopedTransformer
 from trainer.scoring import chunk_counts, mean_nll_by_depth, output_logits
 
 
-def _depth_tuple(values: Iterable[int], name: str) -> tuple[int, ...]:
-    depths = tuple(values)
-    for d in depths:
-        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1:
-            raise InputError(f"{name} must be positive integers, got {d!r}")
-    depths = tuple(int(d) for d in depths)
-    if len(set(depths)) != len(depths):
-        raise InputError(f"{name} must not repeat a depth, got {list(depths)}")
-    return depths
-
-
 @dataclass(frozen=True)
 class DiagnosticOptions:
-    update_depths: tuple[int, ...] = (4, 16)
+    update_depths: tuple[int, ...] = UPDATE_DEPTHS
     """Depths the update is computed at; the first is the reference, benefit is against the last."""
-    serving_depths: tuple[int, ...] = tuple(range(1, 17))
+    serving_depths: tuple[int, ...] = SERVING_DEPTHS
     """Depths every updated model is evaluated at."""
     depth_kwarg: str = "depth"
     """Keyword the model's forward takes the depth as (e.g. 'num_steps' for Huginn)."""
@@ -81,8 +71,8 @@ class DiagnosticOptions:
     """Rows of the evaluation set per forward pass."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "update_depths", _depth_tuple(self.update_depths, "update_depths"))
-        object.__setattr__(self, "serving_depths", _depth_tuple(self.serving_depths, "serving_depths"))
+        object.__setattr__(self, "update_depths", checked_depths(self.update_depths, "update_depths"))
+        object.__setattr__(self, "serving_depths", checked_depths(self.serving_depths, "serving_depths"))
         if len(self.update_depths) < 2:
             raise InputError(f"update_depths needs at least two depths to compare, got {list(self.update_depths)}")
         if not self.serving_depths:
@@ -165,17 +155,6 @@ def match_rms(updates: Sequence[Sequence[Tensor]], mode: str) -> tuple[list[list
         target = math.exp(sum(math.log(r) for r in positive) / len(positive)) if positive else 0.0
     scales = [_ratio(target, r) for r in rms]
     return [[t * s for t in u] for u, s in zip(updates, scales)], scales
-
-
-def clipped_gradients(grads: list[Tensor], max_norm: float | None) -> list[Tensor]:
-    """`grads` scaled as `torch.nn.utils.clip_grad_norm_(params, max_norm)` would scale them, as
-    new tensors (the given ones are left alone); `grads` itself when max_norm is None or 0."""
-    if not max_norm or not grads:
-        return grads
-    # The norm clip_grad_norm_ computes, spelled out: torch.nn.utils.get_total_norm needs torch >= 2.6.
-    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    return [g * coef.to(g.device) for g in grads]
 
 
 def _check_depth_kwarg(model: nn.Module, depth_kwarg: str) -> None:
@@ -364,26 +343,18 @@ class UpdateDiagnostic:
         parameters as `clip_grad_norm_(model.parameters())` does in training."""
         batch = self.check_batch(batch)
         leaves = {name: t.detach().requires_grad_(self.requires_grad[name]) for name, t in self.theta.items()}
-        autocast = (
-            torch.autocast(self.device.type, dtype=torch.bfloat16)
-            if self.options.precision == "bf16"
-            else contextlib.nullcontext()
-        )
         with torch.enable_grad():  # a caller's no_grad must not leave the loss without a graph
-            with autocast, _module_mode(self.model, training=True):
+            with forward_precision(self.device.type, self.options.precision), _module_mode(self.model, training=True):
                 output = torch.func.functional_call(
                     self.model, self._state(leaves), (batch[:, :-1],), {self.options.depth_kwarg: int(depth)}
                 )
-            logits = output_logits(output)  # [B, T, V]
-            targets = batch[:, 1:]
-            # Summed, then divided by the counted targets: the training loop's form, to the bit.
-            loss = F.cross_entropy(
-                logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-            ) / float((targets != IGNORE_INDEX).sum())
+            # Training's loss (trainer/loss.py): summed, then divided by the counted targets.
+            loss = summed_token_loss(output_logits(output), batch[:, 1:]) / float(counted_targets(batch))
         trainable = [name for name in leaves if self.requires_grad[name]]
         grads = torch.autograd.grad(loss, [leaves[n] for n in trainable], allow_unused=True)
         grads = [torch.zeros_like(leaves[n]) if g is None else g for n, g in zip(trainable, grads)]
-        by_name = dict(zip(trainable, clipped_gradients(grads, self.options.grad_clip)))
+        clip_gradients_(grads, self.options.grad_clip)  # fresh tensors: scaled in place, as training's
+        by_name = dict(zip(trainable, grads))
         flat = [by_name[n].float() if n in by_name else torch.zeros_like(self.theta[n]) for n in self.stepped]
         return float(loss.detach()), flat
 
@@ -490,8 +461,8 @@ def compare_updates(
     batch: Tensor,
     eval_tokens: Tensor,
     *,
-    update_depths: Sequence[int] = (4, 16),
-    serving_depths: Iterable[int] = range(1, 17),
+    update_depths: Sequence[int] = UPDATE_DEPTHS,
+    serving_depths: Iterable[int] = SERVING_DEPTHS,
     depth_kwarg: str = "depth",
     isolate: str = "counterfactual",
     rms_match: str = "reference",

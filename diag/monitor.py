@@ -49,10 +49,10 @@ from diag.engine import DiagnosticOptions, UpdateDiagnostic
 from diag.evalset import evaluation_set, resolve_eval_set
 from trainer.config import RunConfig
 from trainer.data import TokenSource, build_source
-from trainer.optim import OPTIMIZER_CLASSES
+from trainer.optim import OPTIMIZER_CLASSES, lr_at
 from trainer.rng import process_rng_state, seeded_generator, set_process_rng_state
 from trainer.schedules import parse_schedule
-from trainer.train import TrainSummary, lr_at, train
+from trainer.train import TrainSummary, train
 
 MONITOR_FILE = "monitor.h5"
 MONITOR_SALT = 0x30A1_70C4
@@ -209,10 +209,11 @@ class UpdateMonitor:
 
     def file_attrs(self) -> dict:
         """The file's attributes: the run, the monitor's settings and the versions."""
-        from diag.run import provenance
+        from common.provenance import provenance
 
         cfg, mc = self.config, self.config.monitor
         switch = self.schedule.switch_step
+        used = self.options(0)  # every check's options but the step's learning rate
         return {
             "kind": KIND,
             "config": cfg.to_json(),
@@ -222,11 +223,11 @@ class UpdateMonitor:
             "updates": cfg.train.updates,
             "eval_set": self.eval_set,
             "eval_sequences": mc.eval_sequences,
-            "isolate": "counterfactual",
-            "rms_match": "reference",
+            "isolate": used.isolate,
+            "rms_match": used.rms_match,
             "optimizer": OPTIMIZER_CLASSES[cfg.optim.name],
-            "grad_clip": float(cfg.optim.grad_clip),
-            "precision": cfg.train.precision,
+            "grad_clip": float(used.grad_clip or 0.0),
+            "precision": used.precision,
             "batch_stream": (
                 "batch i of the check after step updates: source.batch(seeded_generator(train.seed, step, "
                 f"{MONITOR_SALT:#x}).integers(2**63), i, train.batch_size, train.seq_len)"

@@ -178,7 +178,7 @@ def format_recommendation(rec: Recommendation) -> str:
 
 
 def comparison_grid(rec: Recommendation, *, base: Path, out: Path, seeds: tuple[int, ...]) -> str:
-    """An experiment grid (diag/grid.py) that trains the recommended schedule against the
+    """An experiment grid (depthdiag/grid.py) that trains the recommended schedule against the
     paper's 80% switch and uniform:1-16 over the same updates for every seed, on `base` with
     the monitor off and no snapshots; evaluated at serving depths 1..16. `base` is written
     relative to the folder of `out`, where the grid file goes."""

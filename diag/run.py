@@ -1,5 +1,5 @@
 """`depthdiag diagnose`: every (snapshot, batch) unit of several snapshot files
-into one results file (DESIGN.md section 6), durably and resumably.
+into one results file (docs/formats.md), durably and resumably.
 
 Each finished unit is written atomically as its own small file in
 `OUT.parts/`; when all are done they are assembled into OUT (atomically) and
@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import datetime
 import json
-import platform
 import shutil
-import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
@@ -47,11 +45,11 @@ from analysis.store import describe_results, write_dataset
 from common.atomic import atomic_output, remove_stale_temporaries_in
 from common.benefit import benefit_description
 from common.choices import DEVICE_CHOICES, EVAL_SET_CHOICES
-from common.depths import MAX_SERVING_DEPTH
+from common.depths import MAX_SERVING_DEPTH, SERVING_DEPTHS, UPDATE_DEPTHS
 from common.errors import InputError
 from common.lock import exclusive_output
 from common.progress import progress_bar
-from common.version import package_version
+from common.provenance import provenance
 from diag.adapter import AdaptedModel, adapter_config_json, load_adapter
 from diag.engine import DiagnosticOptions, UpdateDiagnostic, bias_correction_message
 from diag.evalset import evaluation_set, resolve_eval_set
@@ -80,9 +78,9 @@ class DiagnoseConfig:
     """'module:function' returning a diag.AdaptedModel: a model from another codebase instead of snapshots."""
     adapter_args: tuple[tuple[str, str], ...] = ()
     """(KEY, VALUE) keyword arguments of the adapter function, values as strings."""
-    update_depths: tuple[int, ...] = (4, 16)
+    update_depths: tuple[int, ...] = UPDATE_DEPTHS
     """Depths of the compared updates; the first is the reference."""
-    serving_depths: tuple[int, ...] = tuple(range(1, 17))
+    serving_depths: tuple[int, ...] = SERVING_DEPTHS
     """Depths every updated model is evaluated at."""
     batches: int | None = None
     """Batches per snapshot; None: all a snapshot carries (checkpoints: the run's train.snapshot_batches)."""
@@ -470,44 +468,6 @@ def _run_units(config: DiagnoseConfig, entries: list[_Entry], parts: Path, devic
 def _evaluation_set(config: DiagnoseConfig, snap: Snapshot) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(eval_tokens, eval_mask) for the chosen evaluation set."""
     return evaluation_set(config.eval_set, snap.config, snap.eval_tokens)
-
-
-def _git(*args: str) -> subprocess.CompletedProcess | None:
-    """`git ARGS` run in this source tree; None when git cannot be run at all."""
-    try:
-        return subprocess.run(
-            ["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _git_commit() -> str:
-    result = _git("rev-parse", "HEAD")
-    return result.stdout.strip() if result is not None and result.returncode == 0 else "unknown"
-
-
-def _git_dirty() -> int | str:
-    """1 when the source tree has uncommitted changes to tracked files, 0 when not; 'unknown'
-    (with the reason) when git cannot tell, e.g. an installed copy outside a checkout."""
-    result = _git("status", "--porcelain", "--untracked-files=no")
-    if result is None:
-        return "unknown (no git)"
-    if result.returncode != 0:
-        return "unknown (not a git checkout)"
-    return int(bool(result.stdout.strip()))
-
-
-def provenance() -> dict[str, str | int]:
-    """The versions and source state a results file records."""
-    return {
-        "depthdiag_version": package_version(),
-        "python_version": platform.python_version(),
-        "numpy_version": np.__version__,
-        "torch_version": str(torch.__version__),
-        "git_commit": _git_commit(),
-        "git_dirty": _git_dirty(),
-    }
 
 
 def _run_seed(entries: list[_Entry]) -> int | None:

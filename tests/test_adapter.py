@@ -16,8 +16,8 @@ from click.testing import CliRunner
 import diag
 from analysis.store import open_results
 from common.errors import InputError
+from depthdiag.cli import main
 from diag.adapter import AdaptedModel, load_adapter, parse_adapter_args
-from diag.cli import main
 
 VOCAB, SEQ = 40, 10
 UPDATE_DEPTHS, SERVING = (1, 4), (1, 2, 3, 6)

@@ -15,14 +15,15 @@ import xarray as xr
 from click.testing import CliRunner
 
 from common.errors import InputError
-from diag.cli import main
+from depthdiag.cli import main
 from trainer.checkpoint import FORMAT_VERSION, atomic_torch_save, load_snapshot, save_snapshot
 from trainer.config import RunConfig
 from trainer.data import build_source
+from trainer.loss import training_loss
 from trainer.model import LoopedTransformer
-from trainer.optim import build_optimizer
+from trainer.optim import build_optimizer, lr_at
 from trainer.schedules import parse_schedule
-from trainer.train import TrainStep, lr_at, train, training_loss
+from trainer.train import TrainStep, train
 
 WORDS = "a stitch in time saves nine but the early bird still catches the worm at dawn".split()
 

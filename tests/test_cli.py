@@ -1,4 +1,4 @@
-"""What every command shares: exit codes and one-line errors (DESIGN section 1)."""
+"""What every command shares: exit codes and one-line errors (docs/cli.md)."""
 
 from pathlib import Path
 
@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from common.errors import InputError
-from diag.cli import main
+from depthdiag.cli import main
 
 
 def run(*args):
@@ -47,7 +47,7 @@ def run_limited(*args, max_file_bytes: int, cwd):
         resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
 
     return subprocess.run(
-        [sys.executable, "-m", "diag.cli", *args], cwd=cwd, preexec_fn=limit, capture_output=True, text=True
+        [sys.executable, "-m", "depthdiag", *args], cwd=cwd, preexec_fn=limit, capture_output=True, text=True
     )
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from diag.cli import main
+from depthdiag.cli import main
 
 # The paper's Table 3 and section 4 numbers, used only as references with tolerances.
 PAPER_200M = {
@@ -71,11 +71,11 @@ def test_paper_200m_ratios_are_the_hand_calculation_and_the_readme_prints_them()
         "fixed-first:k0=4,switch=0.8,finish=uniform:1-16": paper_200m_relative_to_uniform(4, 3840),
     }
     report = flops_json("configs/paper-200m.toml", "--updates", "4800", *schedule_args(by_hand))
-    readme = Path("README.md").read_text()
+    readme = Path("docs/flops.md").read_text()
     for row in report["schedules"]:
         expected = by_hand[row["spec"]]
         assert row["relative_to_uniform"] == pytest.approx(expected, rel=1e-9), row["spec"]
-        # The README's table: ours, then the paper's in brackets.
+        # docs/flops.md's table: ours, then the paper's in brackets.
         assert f" {expected:.1%} ({PAPER_200M[row['spec']]:.1%}) " in readme, row["spec"]
 
 
@@ -97,7 +97,7 @@ def test_matched_uniform_run_for_the_200m_config_schedule():
     assert match["updates"] == pytest.approx(PAPER_MATCHED_UNIFORM_UPDATES, rel=MATCH_TOLERANCE)
     # Uniform costs the same per update on average, so the matched count is 4800 x the hand ratio 0.68162, rounded.
     assert match["updates"] == round(4800 * paper_200m_relative_to_uniform(4, 3216)) == 3272
-    assert "3,272 updates (the paper: 3,296)" in Path("README.md").read_text()
+    assert "3,272 updates (the paper: 3,296)" in Path("docs/flops.md").read_text()
 
 
 def test_table_output_lists_every_schedule_and_the_match():

@@ -19,8 +19,8 @@ from analysis.figures import curves_figure, plot_training_loss, plot_validation_
 from analysis.stats import trailing_mean  # noqa: E402
 from analysis.training import read_metrics, run_switch  # noqa: E402
 from common.errors import InputError  # noqa: E402
-from diag.cli import main  # noqa: E402
-from diag.curves import training_curves  # noqa: E402
+from depthdiag.cli import main  # noqa: E402
+from depthdiag.curves import training_curves  # noqa: E402
 from trainer.train import train  # noqa: E402
 
 LINES = [

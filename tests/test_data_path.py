@@ -11,8 +11,8 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from diag.cli import main
-from diag.grid import grid_cells, load_grid
+from depthdiag.cli import main
+from depthdiag.grid import grid_cells, load_grid
 from trainer.config import load_config
 
 RUN = """

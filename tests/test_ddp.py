@@ -69,7 +69,7 @@ def torchrun_train(config_path: Path, out: Path) -> subprocess.CompletedProcess:
         "--master_addr=127.0.0.1",
         f"--master_port={free_port()}",
         "-m",
-        "diag.cli",
+        "depthdiag",
         "train",
         str(config_path),
         "--out",

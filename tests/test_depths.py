@@ -1,8 +1,15 @@
 """The one depth-list grammar (common/depths.py) in both its readings."""
 
+import numpy as np
 import pytest
 
-from common.depths import MAX_SERVING_DEPTH, parse_serving_depths, parse_update_depths
+from common.depths import (
+    MAX_SERVING_DEPTH,
+    checked_depths,
+    depths_text,
+    parse_serving_depths,
+    parse_update_depths,
+)
 from common.errors import InputError
 
 
@@ -41,3 +48,26 @@ def test_update_depths_share_the_ceiling_and_an_explicit_limit_lifts_both():
         parse_update_depths(f"4,{MAX_SERVING_DEPTH + 1}")
     assert parse_update_depths("4,100", limit=100) == (4, 100)
     assert parse_serving_depths("1-2,100", limit=100) == (1, 2, 100)
+
+
+def test_checked_depths_keeps_the_order_and_refuses_what_is_not_a_depth_list():
+    assert checked_depths([np.int64(16), 4], "update_depths") == (16, 4)
+    for bad, message in [
+        ((4, True), "update_depths must be positive integers, got True"),
+        ((4, 2.0), "update_depths must be positive integers, got 2.0"),
+        ((0, 4), "update_depths must be positive integers, got 0"),
+        ((4, 65), r"update_depths must be depths in 1..64, got \[4, 65\]"),
+        ((4, 16, 4), r"update_depths must not repeat a depth, got \[4, 16, 4\]"),
+    ]:
+        with pytest.raises(InputError, match=message):
+            checked_depths(bad, "update_depths", limit=64)
+    assert checked_depths((4, 65), "update_depths") == (4, 65)  # no limit
+
+
+@pytest.mark.parametrize(
+    "depths,text",
+    [((4, 16), "4,16"), (range(1, 17), "1-16"), ((1, 2, 4, 8), "1,2,4,8"), ((1, 2, 3, 5, 9, 10, 11), "1-3,5,9-11")],
+)
+def test_depths_text_is_read_back_as_the_same_depths(depths, text):
+    assert depths_text(depths) == text
+    assert parse_update_depths(text) == tuple(depths)

@@ -19,7 +19,7 @@ import diag
 from analysis.store import open_results
 from common.depths import parse_update_depths
 from common.errors import InputError
-from diag.cli import main
+from depthdiag.cli import main
 from diag.run import DiagnoseConfig, diagnose
 from trainer.checkpoint import load_snapshot, save_checkpoint, save_snapshot
 from trainer.config import DataConfig, OptimConfig, RunConfig, TrainConfig
@@ -275,7 +275,7 @@ HOLD_AFTER_TWO_UNITS = """
 import os, sys, threading
 from pathlib import Path
 import diag.run
-from diag.cli import main
+from depthdiag.cli import main
 
 report, write, written = int(sys.argv[1]), diag.run.write_dataset, []
 

@@ -1,5 +1,5 @@
 """`depthdiag export`: the model as model.safetensors + config.json, loaded back by the
-README's own lines of plain PyTorch to the same logits, bit for bit."""
+lines of plain PyTorch in docs/api.md to the same logits, bit for bit."""
 
 import json
 import re
@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from common.atomic import atomic_directory
 from common.lock import exclusive_output
-from diag.cli import main
+from depthdiag.cli import main
 from trainer.checkpoint import file_sha256, load_snapshot, save_checkpoint, save_snapshot
 from trainer.config import DataConfig, OptimConfig, RunConfig, TrainConfig
 from trainer.export import EXPORT_FORMAT_VERSION, export_checkpoint
@@ -55,10 +55,10 @@ def write(path: Path, kind: str, **model) -> Path:
 
 
 def readme_block(marker: str) -> str:
-    """The fenced code block that follows `<!-- marker -->` in README.md."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    """The fenced code block that follows `<!-- marker -->` in docs/api.md."""
+    text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
     match = re.search(rf"<!-- {re.escape(marker)} -->\n```python\n(.*?)```", text, re.DOTALL)
-    assert match, f"README.md has no python block after <!-- {marker} -->"
+    assert match, f"docs/api.md has no python block after <!-- {marker} -->"
     return match.group(1)
 
 
@@ -67,11 +67,11 @@ def readme_block(marker: str) -> str:
 )
 def test_the_readme_loads_the_export_to_bit_identical_logits(tmp_path, monkeypatch, kind, model):
     source = write(tmp_path / f"{kind}.pt", kind, **model)
-    # The README's block loads from exported/tiny, relative to where it runs.
+    # The docs' block loads from exported/tiny, relative to where it runs.
     monkeypatch.chdir(tmp_path)
     assert export_checkpoint(source, tmp_path / "exported" / "tiny") == tmp_path / "exported" / "tiny"
     namespace: dict = {}
-    exec(compile(readme_block("export-load"), "README.md", "exec"), namespace)
+    exec(compile(readme_block("export-load"), "docs/api.md", "exec"), namespace)
     loaded = namespace["model"]
     reference = load_snapshot(source).model().eval()
     assert type(loaded) is LoopedTransformer and loaded.config == reference.config

@@ -8,8 +8,8 @@ import pytest
 import torch
 from test_train import read_metrics, text_corpus, tiny_config
 
-from trainer.checkpoint import load_snapshot
-from trainer.train import latest_checkpoint, train
+from trainer.checkpoint import latest_checkpoint, load_snapshot
+from trainer.train import train
 
 UPDATES = 30
 # Largest relative difference of any logged loss from the fp32 eager run's over 30 updates, measured per setting

@@ -17,7 +17,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from analysis.figures import figure4, plot_benefit_by_depth, plot_depth_averaged_benefit, save_figure  # noqa: E402
 from analysis.stats import batch_noise, benefit_by_depth, depth_averaged_benefit, summary_table  # noqa: E402
 from analysis.store import open_results, write_dataset  # noqa: E402
-from diag.cli import main  # noqa: E402
+from depthdiag.cli import main  # noqa: E402
 
 UNIFORM_UPDATES = (0, 16, 64, 256)
 

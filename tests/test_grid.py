@@ -1,4 +1,4 @@
-"""Experiment grids (diag/grid.py): the grid file, budgets sized by the iso-FLOP solver, a
+"""Experiment grids (depthdiag/grid.py): the grid file, budgets sized by the iso-FLOP solver, a
 killed grid that resumes its interrupted cell bit-exactly and skips finished ones, and the
 collected file with exactly one entry per cell."""
 
@@ -16,10 +16,9 @@ import pytest
 import torch
 
 from common.errors import InputError
-from diag.grid import cell_state, collect_grid, grid_cells, load_grid, run_grid
-from trainer.checkpoint import load_snapshot
+from depthdiag.grid import cell_state, collect_grid, grid_cells, load_grid, run_grid
+from trainer.checkpoint import latest_checkpoint, load_snapshot
 from trainer.flops import update_flops
-from trainer.train import latest_checkpoint
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing in the old oak tree".split()
 
@@ -223,7 +222,7 @@ def test_a_killed_grid_resumes_its_interrupted_cell_bit_exactly_and_skips_finish
     checkpointed = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
     path = os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, HOLD_RUN=str(long_dir), HOLD_FIFO=str(fifo))
-    command = [sys.executable, "-m", "diag.cli", "grid", "run", str(grid), "--runs", str(runs), "--no-progress"]
+    command = [sys.executable, "-m", "depthdiag", "grid", "run", str(grid), "--runs", str(runs), "--no-progress"]
     process = subprocess.Popen(command, cwd=folder, env=env)
     exited = os.pidfd_open(process.pid)  # readable once the grid has ended: a grid that fails is not waited out
     try:

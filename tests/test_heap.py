@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import diag.cli
-from diag.cli import main
+import depthdiag.cli.app
+from depthdiag.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,7 +75,7 @@ def test_freed_memory_stays_in_the_heap_and_large_blocks_come_from_it():
 
 def test_every_command_keeps_freed_memory(monkeypatch):
     calls = []
-    monkeypatch.setattr(diag.cli, "keep_freed_memory", lambda: calls.append(True))
+    monkeypatch.setattr(depthdiag.cli.app, "keep_freed_memory", lambda: calls.append(True))
     result = CliRunner().invoke(main, ["flops", "configs/tiny.toml"])
     assert result.exit_code == 0, result.output
     assert calls == [True]

@@ -1,21 +1,24 @@
 """The package layers point down only (docs/architecture.md): every import of every module,
 read from the source without running it, is checked against the allowed edges, and the
-module graph has no cycle. Function-level (lazy) imports count like top-level ones."""
+module graph has no cycle. Function-level (lazy) imports count like top-level ones, and so do
+modules spelled in strings to be run as `python -m MODULE` (a subprocess imports them all the same)."""
 
 import ast
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("common", "trainer", "diag", "analysis")
+PACKAGES = ("common", "trainer", "diag", "analysis", "depthdiag")
 
 ALLOWED_PACKAGES = {
     "common": set(),
     "trainer": {"common"},
     "diag": {"common", "trainer", "analysis"},
     "analysis": {"common"},
+    "depthdiag": {"common", "trainer", "diag", "analysis"},
 }
 """Which sibling packages each package may import (besides itself)."""
 FORBIDDEN_THIRD_PARTY = {
@@ -31,10 +34,38 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+RUN_AS_MODULE = re.compile(r"""-m["',\s]+([A-Za-z_][\w.]*)""")
+"""`-m NAME` in a command line, written as one string or as list items ("-m", "NAME")."""
+
+
+def modules_run_in(text: str) -> set[str]:
+    """The project modules `text` runs as `python -m NAME`."""
+    return {name for name in RUN_AS_MODULE.findall(text) if name.split(".")[0] in PACKAGES}
+
+
+def code_strings(tree: ast.Module) -> str:
+    """The module's string constants other than docstrings (which describe, not run), in order."""
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    constants = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    ]
+    return " ".join(node.value for node in sorted(constants, key=lambda n: (n.lineno, n.col_offset)))
+
+
 def imported_modules(path: Path) -> set[str]:
-    """Every absolute module name `path` imports, anywhere in the file."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    """Every absolute module name `path` imports, anywhere in the file, or runs with `-m`."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: set[str] = modules_run_in(code_strings(tree))
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -115,3 +146,30 @@ def test_no_import_cycles():
 def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def runnable(name: str) -> bool:
+    """Whether `python -m name` finds something to run: a module, or a package with __main__."""
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__main__.py").is_file()
+
+
+def test_every_module_run_with_dash_m_exists():
+    sources = [*ROOT.glob("*/*.py"), *ROOT.glob("*/*/*.py"), ROOT / "Makefile", ROOT / ".ci" / "run"]
+    sources += [*(ROOT / "bench").glob("*.sh"), *ROOT.glob("*.md"), *(ROOT / "docs").glob("*.md")]
+    missing = sorted(
+        f"{path.relative_to(ROOT)}: -m {name}"
+        for path in sources
+        if ".venv" not in path.parts and "mutants" not in path.parts and path != Path(__file__).resolve()
+        for name in modules_run_in(path.read_text())
+        if not runnable(name)
+    )
+    assert not missing, "\n".join(missing)
+
+
+def test_a_module_run_in_a_string_counts_as_an_import():
+    assert modules_run_in("torchrun --nproc_per_node=2 -m depthdiag train") == {"depthdiag"}
+    assert modules_run_in('[sys.executable, "-m", "depthdiag.cli", "train"]') == {"depthdiag.cli"}
+    assert modules_run_in("python -m pytest -m slow") == set()
+    tree = ast.parse('"""Run it as python -m depthdiag."""\nCOMMAND = ["-m", "diag.run"]')
+    assert modules_run_in(code_strings(tree)) == {"diag.run"}

@@ -17,7 +17,7 @@ import torch
 import xarray as xr
 from click.testing import CliRunner
 
-from diag.cli import main
+from depthdiag.cli import main
 from trainer.checkpoint import file_sha256, load_snapshot, save_checkpoint
 from trainer.config import RunConfig
 from trainer.model import LoopedTransformer
@@ -276,7 +276,7 @@ def test_lm_eval_command_line_runs_the_registered_model(harness, checkpoint, tmp
     """`depthdiag-lm-eval --model depthdiag ...`: lm-eval's own command line with the model registered
     (slow: lm-eval's command line indexes its 14,000 task files, half a minute)."""
     model_args = f"checkpoint={checkpoint},depth=2"
-    command = [sys.executable, "-m", "diag.downstream", "--model", "depthdiag", "--model_args", model_args]
+    command = [sys.executable, "-m", "depthdiag.downstream", "--model", "depthdiag", "--model_args", model_args]
     command += ["--tasks", "tiny_mc", "--include_path", str(TASKS), "--batch_size", str(BATCH_SIZE)]
     command += ["--output_path", str(tmp_path)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -314,7 +314,7 @@ def test_an_unknown_task_is_refused_against_all_of_lm_evals_tasks(harness, check
 
 def test_a_bios_checkpoint_has_no_text_tokenizer(tmp_path):
     from common.errors import InputError
-    from diag.text_tokens import resolve_tokenizer
+    from trainer.text_tokens import resolve_tokenizer
 
     with pytest.raises(InputError, match="bioS"):
         resolve_tokenizer(RunConfig(), None, tmp_path / "bios.pt")
@@ -322,8 +322,8 @@ def test_a_bios_checkpoint_has_no_text_tokenizer(tmp_path):
 
 def test_a_bin_checkpoint_reads_the_tokenizer_its_meta_json_names(tmp_path):
     from common.errors import InputError
-    from diag.text_tokens import resolve_tokenizer
     from trainer.prepare import PrepareConfig, load_tokenizer, prepare
+    from trainer.text_tokens import resolve_tokenizer
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"the cat {i} sat on the mat of dog {i}\n\n" for i in range(40)), encoding="utf-8")
@@ -364,9 +364,9 @@ def test_help_imports_neither_lm_eval_nor_torch():
     code = (
         "import sys\n"
         "from click.testing import CliRunner\n"
-        "import diag.cli\n"
+        "import depthdiag.cli\n"
         "for args in (['--help'], ['lm-eval', '--help'], ['plot', '--help']):\n"
-        "    assert CliRunner().invoke(diag.cli.main, args).exit_code == 0, args\n"
+        "    assert CliRunner().invoke(depthdiag.cli.main, args).exit_code == 0, args\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('lm_eval', 'torch', 'xarray', 'numpy'))\n"
         "print(heavy[:3])\n"
     )
@@ -382,7 +382,7 @@ class Request:
 
 
 def test_rolling_log_likelihood_scores_every_byte_once_with_the_context_that_fits(harness, checkpoint):
-    from diag.lm_harness import DepthdiagLM
+    from trainer.lm_harness import DepthdiagLM
 
     short, long = "a short text", "a longer text that does not fit in one window of sixty-four bytes, so it is cut"
     model = DepthdiagLM(checkpoint, depths=(1, 3), batch_size=BATCH_SIZE, progress=False)
@@ -407,7 +407,7 @@ def test_rolling_log_likelihood_scores_every_byte_once_with_the_context_that_fit
 
 
 def test_generation_is_greedy_at_the_depth_and_stops_before_the_stop_string(harness, checkpoint):
-    from diag.lm_harness import DepthdiagLM
+    from trainer.lm_harness import DepthdiagLM
 
     model = DepthdiagLM(checkpoint, depth=2, progress=False)
     plain = load_snapshot(checkpoint).model().eval()

@@ -7,7 +7,7 @@ import numpy as np
 from click.testing import CliRunner
 
 from analysis.store import open_results
-from diag.cli import main
+from depthdiag.cli import main
 
 TOY = """
 [model]

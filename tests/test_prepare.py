@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from diag.cli import main
+from depthdiag.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = (
@@ -104,8 +104,8 @@ def test_help_imports_neither_numpy_nor_tokenizers():
     code = (
         "import sys\n"
         "from click.testing import CliRunner\n"
-        "import diag.cli\n"
-        "assert CliRunner().invoke(diag.cli.main, ['prepare', '--help']).exit_code == 0\n"
+        "import depthdiag.cli\n"
+        "assert CliRunner().invoke(depthdiag.cli.main, ['prepare', '--help']).exit_code == 0\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'tokenizers')))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
@@ -178,7 +178,7 @@ def test_two_runs_are_byte_identical_whatever_the_thread_count(corpus, tmp_path)
     outputs = []
     for threads in ("1", "2"):
         out = tmp_path / f"data{threads}"
-        command = [sys.executable, "-m", "diag.cli", "prepare", str(corpus[0]), "--out", str(out)]
+        command = [sys.executable, "-m", "depthdiag", "prepare", str(corpus[0]), "--out", str(out)]
         command += ["--vocab-size", "500", "--val-fraction", "0.25", "--no-progress"]
         env = {**os.environ, "RAYON_NUM_THREADS": threads}
         result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)

@@ -36,9 +36,9 @@ def test_cli_help_imports_neither_torch_nor_xarray():
     code = (
         "import sys\n"
         "from click.testing import CliRunner\n"
-        "import diag.cli\n"
+        "import depthdiag.cli\n"
         "for args in (['--help'], ['train', '--help'], ['diagnose', '--help'], ['plot', '--help']):\n"
-        "    assert CliRunner().invoke(diag.cli.main, args).exit_code == 0, args\n"
+        "    assert CliRunner().invoke(depthdiag.cli.main, args).exit_code == 0, args\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'xarray', 'numpy'))\n"
         "print(heavy[:3])\n"
     )

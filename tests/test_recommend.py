@@ -15,8 +15,8 @@ from analysis.recommend import describe_finish, finish_length, format_checks, sw
 from analysis.stats import IntervalOptions
 from analysis.store import write_dataset
 from common.errors import InputError
-from diag.cli import main
-from diag.grid import load_grid
+from depthdiag.cli import main
+from depthdiag.grid import load_grid
 from diag.recommend import RecommendConfig, comparison_grid, format_recommendation, recommend
 from trainer.config import load_config
 

@@ -21,8 +21,9 @@ from test_diagnose import SERVING, UPDATE_DEPTHS, run_config, write_run
 
 from analysis.stats import format_csv, summary_table
 from analysis.store import DESCRIPTIONS, open_results, write_dataset
-from diag.cli import main
-from diag.run import DiagnoseConfig, diagnose, provenance
+from common.provenance import provenance
+from depthdiag.cli import main
+from diag.run import DiagnoseConfig, diagnose
 from trainer.config import replace_section
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,8 +166,8 @@ def test_version_prints_the_package_version_without_torch():
     code = (
         "import sys\n"
         "from click.testing import CliRunner\n"
-        "import diag.cli\n"
-        "result = CliRunner().invoke(diag.cli.main, ['--version'])\n"
+        "import depthdiag.cli\n"
+        "result = CliRunner().invoke(depthdiag.cli.main, ['--version'])\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'xarray', 'numpy'))\n"
         "print(result.exit_code, result.output.strip(), heavy[:3])\n"
     )

@@ -247,7 +247,7 @@ def test_uniform_matches_its_distribution():
 
 
 def pln_reference_sample(mean, sigma, max_depth, n, seed):
-    """The DESIGN.md formula, drawn independently of the schedule's code."""
+    """The formula of docs/formats.md, drawn independently of the schedule's code."""
     rng = np.random.default_rng(seed)
     tau = rng.normal(math.log(mean) - sigma**2 / 2, sigma, size=n)
     return np.minimum(rng.poisson(np.exp(tau)) + 1, max_depth)

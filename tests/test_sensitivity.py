@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from analysis.sensitivity import format_sensitivity_markdown, sensitivity_table
 from analysis.store import VARIABLE_DIMS, write_dataset
 from common.errors import InputError
-from diag.cli import main
+from depthdiag.cli import main
 
 GRID = (0, 16, 64)
 

@@ -14,11 +14,12 @@ import torch
 from helpers import start_holder
 
 from common.errors import InputError, RunFailed
-from trainer.checkpoint import load_snapshot
+from trainer.checkpoint import latest_checkpoint, load_snapshot
 from trainer.config import OptimConfig, RunConfig
 from trainer.flops import update_flops
+from trainer.optim import lr_at
 from trainer.schedules import parse_schedule
-from trainer.train import clip_grad_norm_in_place, latest_checkpoint, lr_at, train
+from trainer.train import train
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing in the old oak tree".split()
 
@@ -87,17 +88,6 @@ def test_lr_at_matches_piecewise_reference(warmup, decay_fraction, min_ratio, to
 def test_lr_at_rejects_negative_step():
     with pytest.raises(ValueError):
         lr_at(-1, OptimConfig(), 10)
-
-
-def test_clip_grad_norm_in_place_without_clipping_reports_the_global_norm_and_leaves_gradients_alone():
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    before = [p.grad.clone() for p in params]
-    norm = clip_grad_norm_in_place(params, 0.0)
-    assert all(torch.equal(p.grad, g) for p, g in zip(params, before))
-    torch.testing.assert_close(norm, torch.linalg.vector_norm(torch.cat([g.flatten() for g in before])))
 
 
 # --- the loop -----------------------------------------------------------------------------
@@ -245,7 +235,7 @@ def tree_state(directory: Path) -> dict[Path, tuple[int, bytes | None]]:
 def test_a_second_train_into_a_run_directory_in_use_is_refused_and_changes_nothing(tmp_path, resume):
     from click.testing import CliRunner
 
-    from diag.cli import main
+    from depthdiag.cli import main
 
     corpus = text_corpus(tmp_path)
     config_file = tmp_path / "tiny.toml"
@@ -336,7 +326,7 @@ def test_bin_token_ids_past_meta_json_vocab_size_are_refused_before_anything_is_
 def test_cli_train_then_resume_a_finished_run(tmp_path):
     from click.testing import CliRunner
 
-    from diag.cli import main
+    from depthdiag.cli import main
 
     corpus = text_corpus(tmp_path)
     config_file = tmp_path / "tiny.toml"

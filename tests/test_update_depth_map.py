@@ -18,7 +18,7 @@ from matplotlib.collections import QuadMesh  # noqa: E402
 from analysis.figures import plot_update_depth_map, update_depth_map_figure  # noqa: E402
 from analysis.stats import IntervalOptions, t_interval, update_depth_map  # noqa: E402
 from analysis.store import open_results, write_dataset  # noqa: E402
-from diag.cli import main  # noqa: E402
+from depthdiag.cli import main  # noqa: E402
 
 UPDATE_DEPTHS = (4, 1, 2, 8, 16)  # the first is the reference
 COMPARED = (1, 2, 8, 16)

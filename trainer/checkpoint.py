@@ -468,3 +468,28 @@ def _check_rng(path: Path, rng: Any) -> None:
         check_rng_state(rng)
     except (TypeError, ValueError, KeyError, RuntimeError, AttributeError) as err:
         raise InputError(f"{path}: 'rng' does not hold usable RNG states ({_one_line(err)})") from None
+
+
+CHECKPOINT_DIR = "checkpoints"
+SNAPSHOT_DIR = "snapshots"
+LATEST = "latest"
+
+
+def snapshot_name(uniform_updates: int, step: int) -> str:
+    return f"u{uniform_updates:04d}_step{step:06d}.pt"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:06d}.pt"
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The checkpoint `latest` names, or the highest-step one when the pointer is missing or stale."""
+    directory = Path(run_dir) / CHECKPOINT_DIR
+    pointer = directory / LATEST
+    if pointer.is_file():
+        named = directory / pointer.read_text(encoding="utf-8").strip()
+        if named.is_file():
+            return named
+    candidates = sorted(directory.glob("step_[0-9][0-9][0-9][0-9][0-9][0-9].pt"))
+    return candidates[-1] if candidates else None

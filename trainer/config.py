@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from common.choices import DEVICE_CHOICES, EVAL_SET_CHOICES, PRECISION_CHOICES
-from common.depths import MAX_SERVING_DEPTH, parse_serving_depths
+from common.depths import MAX_SERVING_DEPTH, SERVING_DEPTHS, UPDATE_DEPTHS, checked_depths, parse_serving_depths
 from common.errors import InputError
 from common.observers import without_observer_keys
 from trainer.model import ModelConfig
@@ -186,9 +186,9 @@ class MonitorConfig:
     batches: int = 2
     """Diagnostic batches per check, drawn from the run's data source through a stream of their
     own (never the training batches); the interval over them is batch noise of one run only."""
-    update_depths: tuple[int, ...] = (4, 16)
+    update_depths: tuple[int, ...] = UPDATE_DEPTHS
     """Depths of the compared updates; the first is the reference, the benefit is against the last."""
-    serving_depths: tuple[int, ...] = tuple(range(1, 17))
+    serving_depths: tuple[int, ...] = SERVING_DEPTHS
     """Depths every updated model is evaluated at."""
     eval_sequences: int = 16
     """Evaluation sequences each check scores (the run's evaluation set drawn at this size): the
@@ -199,12 +199,8 @@ class MonitorConfig:
 
     def __post_init__(self) -> None:
         for name in ("update_depths", "serving_depths"):
-            depths = tuple(getattr(self, name))
+            depths = checked_depths(getattr(self, name), f"monitor.{name}", limit=MAX_SERVING_DEPTH)
             object.__setattr__(self, name, depths)
-            if any(isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= MAX_SERVING_DEPTH for d in depths):
-                raise InputError(f"monitor.{name} must be depths in 1..{MAX_SERVING_DEPTH}, got {list(depths)}")
-            if len(set(depths)) != len(depths):
-                raise InputError(f"monitor.{name} must not repeat a depth, got {list(depths)}")
         if len(self.update_depths) < 2:
             raise InputError(f"monitor.update_depths needs at least two depths, got {list(self.update_depths)}")
         if not self.serving_depths:

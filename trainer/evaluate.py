@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import xarray as xr
 
-from common.version import package_version
+from common.provenance import package_version
 from trainer.checkpoint import load_snapshot
 from trainer.data import build_source
 from trainer.distributed import resolve_device

@@ -6,7 +6,7 @@ without depthdiag's file format and without unpickling anything.
                             provenance "source" (path, sha256, kind, step, uniform_updates),
                             "run_config", "depthdiag_version", "torch_version"}
 
-Loading it back is plain PyTorch (the README shows the lines, and a test runs them):
+Loading it back is plain PyTorch (docs/api.md shows the lines, and a test runs them):
 
     cfg = ModelConfig.from_dict(json.load(open("OUT/config.json"))["model"])
     model = LoopedTransformer(cfg)
@@ -28,7 +28,7 @@ import torch
 from common.atomic import atomic_directory
 from common.errors import InputError
 from common.lock import exclusive_output
-from common.version import package_version
+from common.provenance import package_version
 from trainer.checkpoint import Snapshot, load_snapshot
 
 EXPORT_FORMAT_VERSION = 1

@@ -293,3 +293,30 @@ def flops_report(
         schedules=tuple(rows),
         match=matched,
     )
+
+
+def format_flops_report(report: FlopsReport, model: ModelConfig, *, source: str) -> str:
+    """The table `depthdiag flops` prints: the model's size and the run's tokens, a row per
+    schedule (modeled FLOPs, mean depth, share of uniform:1-16), and the compute match."""
+    counts = parameter_counts(model)
+    non_embedding = sum(counts.values()) - counts["embedding"] - counts["head"]
+    tokens = report.updates * report.batch_size * report.seq_len
+    tokens_text = f"{tokens / 1e9:.2f}B" if tokens >= 1e9 else f"{tokens / 1e6:.2f}M"
+    lines = [
+        f"{source}: {non_embedding / 1e6:.1f}M non-embedding parameters; {report.updates:,} updates "
+        f"x {report.batch_size} x {report.seq_len} tokens ({tokens_text} tokens); "
+        f"LM head {'included' if report.include_embeddings else 'excluded'}"
+    ]
+    width = max(len("schedule"), *(len(row.spec) for row in report.schedules))
+    lines.append(f"{'schedule':<{width}}  {'modeled FLOPs':>13}  {'mean depth':>10}  {'vs ' + UNIFORM_REFERENCE:>15}")
+    lines += [
+        f"{row.spec:<{width}}  {row.modeled_flops:>13.4e}  {row.mean_depth:>10.3f}  {row.relative_to_uniform:>15.2%}"
+        for row in report.schedules
+    ]
+    if report.match is not None:
+        m = report.match
+        lines.append(
+            f"match: {m.spec} over {m.updates:,} updates ({m.modeled_flops:.4e} FLOPs) matches "
+            f"{m.reference} over {report.updates:,} updates ({m.reference_flops:.4e} FLOPs)"
+        )
+    return "\n".join(lines)

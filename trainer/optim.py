@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from common.errors import InputError
 from trainer.config import OptimConfig
 
 OPTIMIZER_CLASSES = {"adamw": "AdamW", "sgd": "SGD"}
@@ -26,3 +27,22 @@ def build_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.O
         # resumed and diagnostic steps on the same arithmetic path on every device.
         return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, foreach=False)
     return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, foreach=False)
+
+
+def lr_at(step: int, optim: OptimConfig, total_updates: int) -> float:
+    """Learning rate of update `step` (0-based): linear warmup over `warmup` updates
+    (update i uses (i+1)/warmup of the peak), constant, then linear decay over the
+    last `decay_fraction` of the run reaching min_lr_ratio * lr at the last update.
+    Where warmup and decay overlap the smaller factor wins; steps past the end keep
+    the final LR."""
+    if step < 0:
+        raise InputError(f"step must be >= 0, got {step}")
+    factor = 1.0
+    if optim.warmup:
+        factor = min(factor, (step + 1) / optim.warmup)
+    decay_updates = round(optim.decay_fraction * total_updates)
+    if decay_updates:
+        done = min(step - (total_updates - decay_updates) + 1, decay_updates)
+        if done > 0:
+            factor = min(factor, 1.0 - (1.0 - optim.min_lr_ratio) * done / decay_updates)
+    return optim.lr * factor

@@ -19,7 +19,7 @@ While a run writes it, `.DIR.lock` beside the directory (common/lock.py) keeps a
 run out of it.
 
 Run it with `depthdiag train CONFIG` or, distributed,
-`torchrun --nproc_per_node=N -m diag.cli train CONFIG [--out DIR] [--set k=v] [--resume DIR]`.
+`torchrun --nproc_per_node=N -m depthdiag train CONFIG [--out DIR] [--set k=v] [--resume DIR]`.
 """
 
 from __future__ import annotations
@@ -34,15 +34,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from common.atomic import atomic_write_text, remove_stale_temporaries_in
 from common.errors import InputError, RunFailed
 from common.lock import exclusive_output
 from common.progress import progress_bar
-from trainer.checkpoint import Snapshot, load_snapshot, save_checkpoint, save_snapshot
-from trainer.config import OptimConfig, RunConfig
+from trainer.checkpoint import (
+    CHECKPOINT_DIR,
+    LATEST,
+    SNAPSHOT_DIR,
+    Snapshot,
+    checkpoint_name,
+    latest_checkpoint,
+    load_snapshot,
+    save_checkpoint,
+    save_snapshot,
+    snapshot_name,
+)
+from trainer.config import RunConfig
 from trainer.data import TokenSource, build_source
 from trainer.distributed import (
     World,
@@ -56,91 +66,13 @@ from trainer.distributed import (
 )
 from trainer.flops import update_flops
 from trainer.hooks import TrainingMonitor
-from trainer.model import IGNORE_INDEX, LoopedTransformer
-from trainer.optim import build_optimizer
+from trainer.loss import clip_gradients_, counted_targets, loss_sum_of
+from trainer.model import LoopedTransformer
+from trainer.optim import build_optimizer, lr_at
 from trainer.rng import set_process_rng_state
 from trainer.schedules import Schedule, parse_schedule
 from trainer.scoring import mean_nll_by_depth
 from trainer.sinks import MetricsSink, build_sinks, check_extras
-
-CHECKPOINT_DIR = "checkpoints"
-SNAPSHOT_DIR = "snapshots"
-LATEST = "latest"
-
-
-def lr_at(step: int, optim: OptimConfig, total_updates: int) -> float:
-    """Learning rate of update `step` (0-based): linear warmup over `warmup` updates
-    (update i uses (i+1)/warmup of the peak), constant, then linear decay over the
-    last `decay_fraction` of the run reaching min_lr_ratio * lr at the last update.
-    Where warmup and decay overlap the smaller factor wins; steps past the end keep
-    the final LR."""
-    if step < 0:
-        raise InputError(f"step must be >= 0, got {step}")
-    factor = 1.0
-    if optim.warmup:
-        factor = min(factor, (step + 1) / optim.warmup)
-    decay_updates = round(optim.decay_fraction * total_updates)
-    if decay_updates:
-        done = min(step - (total_updates - decay_updates) + 1, decay_updates)
-        if done > 0:
-            factor = min(factor, 1.0 - (1.0 - optim.min_lr_ratio) * done / decay_updates)
-    return optim.lr * factor
-
-
-def snapshot_name(uniform_updates: int, step: int) -> str:
-    return f"u{uniform_updates:04d}_step{step:06d}.pt"
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step_{step:06d}.pt"
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The checkpoint `latest` names, or the highest-step one when the pointer is missing or stale."""
-    directory = Path(run_dir) / CHECKPOINT_DIR
-    pointer = directory / LATEST
-    if pointer.is_file():
-        named = directory / pointer.read_text(encoding="utf-8").strip()
-        if named.is_file():
-            return named
-    candidates = sorted(directory.glob("step_[0-9][0-9][0-9][0-9][0-9][0-9].pt"))
-    return candidates[-1] if candidates else None
-
-
-def counted_targets(batch: torch.Tensor) -> int:
-    """Targets of `batch` int64 [B, T+1] that the loss counts (not IGNORE_INDEX)."""
-    return int((batch[:, 1:] != IGNORE_INDEX).sum())
-
-
-def loss_sum_of(model: torch.nn.Module, batch: torch.Tensor, depth: int, *, precision: str = "fp32") -> torch.Tensor:
-    """Summed token cross-entropy of `batch` int64 [B, T+1] at `depth`: inputs
-    batch[:, :-1], targets batch[:, 1:], IGNORE_INDEX skipped; the forward runs under
-    bf16 autocast when precision='bf16', the loss in fp32."""
-    inputs, targets = batch[:, :-1], batch[:, 1:]
-    autocast = (
-        torch.autocast(device_type=batch.device.type, dtype=torch.bfloat16)
-        if precision == "bf16"
-        else contextlib.nullcontext()
-    )
-    with autocast:
-        logits = model(inputs, depth=depth)  # [B, T, V]
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-
-
-def training_loss(model: torch.nn.Module, batch: torch.Tensor, depth: int, *, precision: str = "fp32") -> torch.Tensor:
-    """The loss one single-process training update differentiates: mean token
-    cross-entropy of `batch` int64 [B, T+1] at `depth` (bit-identical to the loop's)."""
-    return loss_sum_of(model, batch, depth, precision=precision) / float(counted_targets(batch))
-
-
-def clip_grad_norm_in_place(params: list[torch.Tensor], grad_clip: float) -> torch.Tensor:
-    """Scale the gradients of `params` in place so their global norm is at most `grad_clip`
-    (0: no clipping); returns the norm before clipping."""
-    if grad_clip:
-        return torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    # The norm clip_grad_norm_ computes, spelled out: torch.nn.utils.get_total_norm needs torch >= 2.6.
-    norms = [torch.linalg.vector_norm(p.grad) for p in params if p.grad is not None]
-    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
 
 class TrainStep:
@@ -194,7 +126,7 @@ class TrainStep:
             group["lr"] = lr
         loss_sum = loss_sum_of(self.forward, batch, depth, precision=self.precision)
         (loss_sum / (divisor if divisor is not None else counted_targets(batch))).backward()
-        grad_norm = clip_grad_norm_in_place(self.params, self.grad_clip)
+        grad_norm = clip_gradients_([p.grad for p in self.params if p.grad is not None], self.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum.detach(), grad_norm.detach()
@@ -745,13 +677,3 @@ def _finish(run: _Run, final_loss: float) -> TrainSummary:
         atomic_write_text(json.dumps(asdict(summary), indent=2) + "\n", run.run_dir / "summary.json")
     barrier(run.world)
     return summary
-
-
-def resolve_run_dir(config_path: str | Path, out: str | Path | None, resume: str | Path | None) -> tuple[Path, bool]:
-    """(run directory, resume?) from the command line: --resume DIR continues DIR, --out DIR
-    starts there, neither starts runs/<config name>."""
-    if resume is not None:
-        if out is not None and Path(out).resolve() != Path(resume).resolve():
-            raise InputError(f"--out {out}: differs from --resume {resume}; a resumed run stays in its directory")
-        return Path(resume), True
-    return (Path(out) if out is not None else Path("runs") / Path(config_path).stem), False

@@ -106,8 +106,9 @@ def report(paths: list[str]) -> str:
         killed = counts["killed"] + counts["timeout"] + len(outside)
         score = killed / (len(checked) - len(shown)) if len(checked) > len(shown) else math.nan
         other = len(undetected) - counts["survived"] - counts["no tests"]
+        survived = counts["survived"] - len(shown) - len(outside)
         rows.append(
-            f"| `{path}` | {len(mutants)} | {len(checked)} | {killed} | {counts['survived'] - len(shown) - len(outside)} "
+            f"| `{path}` | {len(mutants)} | {len(checked)} | {killed} | {survived} "
             f"| {counts['no tests']} | {len(shown)} | {other} | {score:.1%} |"
         )
         if undetected:

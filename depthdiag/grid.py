@@ -59,10 +59,10 @@ from common.depths import parse_serving_depths
 from common.errors import InputError, RunFailed
 from common.lock import exclusive_output
 from common.progress import progress_bar
+from trainer.checkpoint import latest_checkpoint
 from trainer.config import RunConfig, load_config
 from trainer.flops import iso_flop_updates, schedule_flops
 from trainer.schedules import parse_schedule
-from trainer.train import latest_checkpoint
 
 SHORTHANDS = {"schedule": "train.schedule", "seed": "train.seed"}
 """Axis names (and assignment keys) that stand for a config key."""
@@ -438,7 +438,7 @@ class GridRunReport:
 
 def _train_command(spec: GridSpec, cell: Cell, runs: Path, *, resume: bool) -> list[str]:
     run_dir = str(runs / cell.name)
-    command = [sys.executable, "-m", "diag.cli", "train", str(spec.base), "--out", run_dir, "--no-progress"]
+    command = [sys.executable, "-m", "depthdiag", "train", str(spec.base), "--out", run_dir, "--no-progress"]
     for assignment in cell.overrides:
         command += ["--set", assignment]
     return command + (["--resume", run_dir] if resume else [])
@@ -628,7 +628,7 @@ def collect_grid(
     import datetime
 
     from analysis.grid import grid_dataset
-    from diag.run import provenance
+    from common.provenance import provenance
     from trainer.data import build_source
 
     runs = Path(runs)

@@ -1,6 +1,6 @@
 """`depthdiag lm-eval`: lm-evaluation-harness tasks at every serving depth of one checkpoint.
 
-The checkpoint is wrapped once (diag/lm_harness.py) with all the serving depths; lm-eval's
+The checkpoint is wrapped once (trainer/lm_harness.py) with all the serving depths; lm-eval's
 `evaluate` then runs the task list once per depth. The first run scores every
 request at every depth from one pass of max(depths) core iterations per request batch;
 the later runs find every request scored and only apply the task's metrics, so the
@@ -31,7 +31,7 @@ import xarray as xr
 from analysis.downstream import downstream_dataset
 from common.errors import EXIT_BAD_INPUT, InputError
 from common.progress import progress_bar
-from common.version import package_version
+from common.provenance import package_version
 from trainer.distributed import resolve_device
 
 
@@ -50,7 +50,7 @@ class DownstreamConfig:
     num_fewshot: int | None = None
     """Few-shot examples per prompt (None: each task's default, 0 for most)."""
     tokenizer: Path | None = None
-    """A tokenizers file over the checkpoint's own tokenizer (diag/lm_harness.py)."""
+    """A tokenizers file over the checkpoint's own tokenizer (trainer/lm_harness.py)."""
     batch_size: int = 32
     """Sequences per forward pass."""
     device: str = "auto"
@@ -81,7 +81,7 @@ def require_harness() -> None:
     try:
         import lm_eval  # noqa: F401
     except ImportError:
-        from diag.text_tokens import eval_extra_missing
+        from trainer.text_tokens import eval_extra_missing
 
         raise eval_extra_missing("lm-eval") from None
 
@@ -162,7 +162,7 @@ def evaluate_once(model, loaded: dict, limit: int | float | None) -> dict:
 def evaluate_downstream(config: DownstreamConfig) -> xr.Dataset:
     """Run `config.tasks` at every serving depth of `config.checkpoint`; see the module docstring."""
     require_harness()
-    from diag.lm_harness import DepthdiagLM
+    from trainer.lm_harness import DepthdiagLM
 
     manager = task_manager(config.include_path, config.tasks)
     check_tasks(manager, config.tasks, config.include_path)
@@ -228,7 +228,7 @@ def _headline(results: dict, depth: int) -> str:
 
 def harness_main(argv: Sequence[str] | None = None) -> None:
     """`depthdiag-lm-eval ARGS`: lm-eval's own command line (`lm_eval ARGS`) with the
-    `depthdiag` model registered (diag/lm_harness.py), e.g.
+    `depthdiag` model registered (trainer/lm_harness.py), e.g.
 
         depthdiag-lm-eval --model depthdiag --model_args checkpoint=runs/x/checkpoints/latest.pt,depth=8 \\
             --tasks hellaswag,piqa,arc_easy
@@ -237,7 +237,7 @@ def harness_main(argv: Sequence[str] | None = None) -> None:
         require_harness()
         from lm_eval.__main__ import cli_evaluate
 
-        import diag.lm_harness  # noqa: F401 (registers the model)
+        import trainer.lm_harness  # noqa: F401 (registers the model)
 
         if argv is not None:
             sys.argv = [sys.argv[0], *argv]

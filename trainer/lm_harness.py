@@ -19,13 +19,13 @@ Hugging Face wrapper does: the last max_seq_len + 1 tokens of context + continua
 kept. A continuation that alone is longer than the window has its first tokens dropped
 from the score, with a warning.
 
-Text becomes tokens as the checkpoint's data did (diag/text_tokens.py): bytes for
+Text becomes tokens as the checkpoint's data did (trainer/text_tokens.py): bytes for
 `data.source = 'text'`, the Hugging Face `tokenizers` file named by the data folder's
 meta.json ("tokenizer") for `bin`, or `tokenizer=PATH` over either.
 
 lm-eval 0.4 finds models only in its own registry and offers other packages no hook
 into it, so `lm_eval --model depthdiag` needs this module imported first: the
-`depthdiag-lm-eval` command (diag/downstream.py's `harness_main`) imports it and then runs
+`depthdiag-lm-eval` command (depthdiag/downstream.py's `harness_main`) imports it and then runs
 lm-eval's own command line with the arguments it was given.
 """
 
@@ -43,9 +43,9 @@ from lm_eval.api.registry import register_model
 
 from common.errors import InputError
 from common.progress import progress_bar
-from diag.text_tokens import resolve_tokenizer
 from trainer.checkpoint import load_snapshot
 from trainer.distributed import resolve_device
+from trainer.text_tokens import resolve_tokenizer
 
 MODEL_NAME = "depthdiag"
 """The name the wrapper is registered under (`lm_eval --model depthdiag`)."""

@@ -1,0 +1,81 @@
+"""What `depthdiag summarize` prints, as text or as a JSON document, for results files (a
+seed's or several seeds') and for a run's monitor file. The numbers come from analysis.stats;
+this module only lays them out."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from os import PathLike
+
+import xarray as xr
+
+from analysis.stats import (
+    FinishingPhase,
+    IntervalOptions,
+    describe_intervals,
+    format_finishing_phase,
+    format_monitor_summary,
+    format_summary_table,
+    interval_coverage,
+)
+
+SECONDARY_KEYS = ("batch_half_width", "batches_per_seed", "between_seed_variance", "within_seed_variance")
+"""The within-seed (batch noise) columns of a summary row."""
+
+
+def summary_document(
+    results: Sequence[str | PathLike],
+    rows: list[dict],
+    phase: FinishingPhase | None,
+    options: IntervalOptions,
+    warnings: Sequence[str] = (),
+) -> dict:
+    """The JSON document of a results summary: which interval is the headline and what it
+    covers, the rows, the finishing phase (None without a snapshot at the switch)."""
+    unit = rows[0]["unit"]
+    return {
+        "results": [str(path) for path in results],
+        **dataclasses.asdict(options),
+        "headline": {"unit": unit, "covers": interval_coverage(unit)},
+        "secondary": {"unit": "batch", "covers": interval_coverage("batch"), "keys": list(SECONDARY_KEYS)},
+        "rows": rows,
+        "finishing_phase": phase.to_dict() if phase is not None else None,
+        "warnings": list(warnings),
+    }
+
+
+def summary_text(rows: list[dict], phase: FinishingPhase | None, options: IntervalOptions) -> str:
+    """The printed results summary: what the intervals cover, the table, the finishing phase."""
+    finishing = (
+        format_finishing_phase(phase, level=options.level)
+        if phase is not None
+        else "finishing phase: n/a (no snapshot at the switch, 0 uniform updates)"
+    )
+    return "\n".join(
+        [
+            describe_intervals(rows, level=options.level, method=options.method),
+            format_summary_table(rows, level=options.level),
+            finishing,
+        ]
+    )
+
+
+def monitor_summary_document(path: str | PathLike, ds: xr.Dataset, rows: list[dict], options: IntervalOptions) -> dict:
+    """The JSON document of a monitor file's summary."""
+    return {
+        "monitor": str(path),
+        **dataclasses.asdict(options),
+        "unit": "batch",
+        "covers": interval_coverage("batch"),
+        "switch_step": ds.attrs.get("switch_step"),
+        "rows": rows,
+    }
+
+
+def monitor_summary_text(path: str | PathLike, ds: xr.Dataset, rows: list[dict], options: IntervalOptions) -> str:
+    """The printed summary of a monitor file: the run's schedule and switch, then a line per check."""
+    switch = ds.attrs.get("switch_step", -1)
+    switch_text = f"switch at step {switch}" if switch is not None and int(switch) >= 0 else "no switch"
+    header = f"{path}: {ds.attrs.get('schedule', '')}, {switch_text}"
+    return header + "\n" + format_monitor_summary(rows, level=options.level, method=options.method)

@@ -1,0 +1,152 @@
+"""`depthdiag diagnose`."""
+
+from __future__ import annotations
+
+import click
+
+from common.choices import (
+    EVAL_SET_CHOICES,
+    ISOLATE_CHOICES,
+    RMS_MATCH_CHOICES,
+)
+from common.depths import MAX_SERVING_DEPTH, UPDATE_DEPTHS, depths_text
+from depthdiag.cli.app import reports_errors
+from depthdiag.cli.options import (
+    device_option,
+    eval_batch_size_option,
+    max_depth_option,
+    no_progress_option,
+    serving_option,
+)
+
+
+@click.command()
+@click.argument("snapshots", nargs=-1, type=click.Path(dir_okay=False))
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Results file (HDF5). Finished units wait in OUT.parts/ until the run completes.",
+)
+@click.option(
+    "--adapter",
+    metavar="MODULE:FUNCTION",
+    default=None,
+    help="Instead of SNAPSHOTS, a model from another codebase: FUNCTION returns a diag.AdaptedModel "
+    "(model, optimizer, batches, eval_tokens; docs/api.md).",
+)
+@click.option(
+    "--adapter-arg",
+    "adapter_args",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="A keyword argument of the adapter function, as a string (repeatable).",
+)
+@click.option(
+    "--update-depths",
+    default=depths_text(UPDATE_DEPTHS),
+    show_default=True,
+    help="Depths of the compared updates in the --serving grammar, no depth twice; the first is the reference. "
+    f"At most {MAX_SERVING_DEPTH} unless --max-depth says otherwise.",
+)
+@serving_option
+@max_depth_option
+@click.option(
+    "--batches",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Batches per snapshot [default: all a snapshot carries; checkpoints: train.snapshot_batches].",
+)
+@click.option(
+    "--isolate",
+    type=click.Choice(ISOLATE_CHOICES),
+    default="counterfactual",
+    show_default=True,
+    help="counterfactual: Delta(g) - Delta(0); none: Delta(g); linear: first-order term.",
+)
+@click.option(
+    "--rms-match",
+    type=click.Choice(RMS_MATCH_CHOICES),
+    default="reference",
+    show_default=True,
+    help="Scale the updates to a common RMS (reference: the first depth's).",
+)
+@click.option("--lr", type=float, default=None, help="Learning rate of the step [default: the snapshot's next LR].")
+@device_option
+@eval_batch_size_option("--eval-batch-size")
+@click.option(
+    "--eval-set",
+    type=click.Choice(EVAL_SET_CHOICES),
+    default="auto",
+    show_default=True,
+    help="snapshot: the evaluation set the snapshot carries; attributes (bioS): the evaluation "
+    "presentations, NLL over the attribute-value tokens only; auto: attributes for bioS runs, "
+    "snapshot otherwise.",
+)
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue an interrupted run with the same settings (damaged unit files are computed again).",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Discard an unfinished run or an existing OUT and start over (never a live run's: it holds OUT's lock).",
+)
+@no_progress_option
+@reports_errors
+def diagnose(
+    snapshots: tuple[str, ...],
+    out: str,
+    adapter: str | None,
+    adapter_args: tuple[str, ...],
+    update_depths: str,
+    serving: str,
+    max_depth: int,
+    batches: int | None,
+    isolate: str,
+    rms_match: str,
+    lr: float | None,
+    device: str,
+    eval_batch_size: int,
+    eval_set: str,
+    resume: bool,
+    force: bool,
+    no_progress: bool,
+) -> None:
+    """Compare single updates at several depths from each SNAPSHOT (snapshot or checkpoint
+    files of one run), or from the model an --adapter function returns, on its batches;
+    write nll, benefit and update statistics to OUT.
+
+    \b
+    Benefit(s) = NLL after the first depth's update - NLL after the last depth's update,
+    at each serving depth s: positive favours the last depth's update. See docs/diagnostic.md.
+
+    The run holds OUT's lock (covering OUT.parts/) until it ends; a unit with a non-finite
+    NLL, loss or update RMS (a diverged snapshot) stops it with exit 2, naming the file and batch.
+    """
+    from common.depths import parse_serving_depths, parse_update_depths
+    from diag.adapter import parse_adapter_args
+    from diag.run import DiagnoseConfig
+    from diag.run import diagnose as run_diagnose
+
+    config = DiagnoseConfig(
+        snapshots=snapshots,
+        out=out,
+        adapter=adapter,
+        adapter_args=parse_adapter_args(adapter_args),
+        update_depths=parse_update_depths(update_depths, limit=max_depth),
+        serving_depths=parse_serving_depths(serving, limit=max_depth),
+        batches=batches,
+        isolate=isolate,
+        rms_match=rms_match,
+        lr=lr,
+        eval_batch_size=eval_batch_size,
+        eval_set=eval_set,
+        device=device,
+        resume=resume,
+        force=force,
+        max_depth=max_depth,
+        progress=not no_progress,
+    )
+    click.echo(f"wrote {run_diagnose(config)}")

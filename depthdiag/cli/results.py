@@ -1,0 +1,280 @@
+"""`depthdiag summarize`, `plot` and `sensitivity`: reading results files."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+
+from common.errors import InputError, naming_files
+from common.json_text import json_text
+from depthdiag.cli.app import reports_errors
+from depthdiag.cli.options import (
+    interval_options,
+)
+
+if TYPE_CHECKING:
+    from analysis.stats import IntervalOptions
+
+GRID_FIGURES = ("1", "2", "3-loss", "5", "8")
+"""The figures `plot` draws from a collected grid file."""
+DOWNSTREAM_FIGURE = "3-downstream"
+"""The figure `plot` draws from a `depthdiag lm-eval` file."""
+
+
+def _warn_on_mixed_learning_rates(ds, results: tuple[Path, ...]) -> str | None:
+    from analysis.stats import mixed_learning_rate_warning
+
+    warning = mixed_learning_rate_warning(ds, [str(path) for path in results])
+    if warning is not None:
+        click.echo(f"depthdiag: warning: {warning}", err=True)
+    return warning
+
+
+def _monitor_file(results: tuple[Path, ...]) -> Path | None:
+    """The monitor file among RESULTS when it is the only file; None when none is one."""
+    from analysis.monitor import is_monitor_file
+
+    monitors = [path for path in results if is_monitor_file(path)]
+    if monitors and len(results) > 1:
+        raise InputError(f"{monitors[0]}: a monitor file is summarised or drawn on its own, not with other files")
+    return monitors[0] if monitors else None
+
+
+def _export_csv(rows: list[dict], csv_out: str | None, force: bool) -> bool:
+    """Write the summary rows as CSV to `csv_out` (a file, atomically under its lock; '-': stdout);
+    returns whether the CSV took stdout's place."""
+    if csv_out is None:
+        return False
+    from analysis.stats import format_csv
+
+    text = format_csv(rows)
+    if csv_out == "-":
+        click.echo(text, nl=False)
+        return True
+    from common.atomic import atomic_write_text
+    from common.lock import claimed_outputs
+
+    with claimed_outputs([csv_out], force=force):
+        atomic_write_text(text, csv_out)
+    click.echo(f"wrote {csv_out}", err=True)
+    return False
+
+
+def _summarize_monitor(path: Path, as_json: bool, options: IntervalOptions, csv_out: str | None, force: bool) -> None:
+    from analysis.monitor import open_monitor
+    from analysis.stats import monitor_summary_table
+    from analysis.summary import monitor_summary_document, monitor_summary_text
+
+    ds = open_monitor(path)
+    rows = monitor_summary_table(ds, options=options)
+    if _export_csv(rows, csv_out, force):
+        return
+    if as_json:
+        click.echo(json_text(monitor_summary_document(path, ds, rows, options)))
+    else:
+        click.echo(monitor_summary_text(path, ds, rows, options))
+
+
+@click.command()
+@click.argument("results", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (NaN as null).")
+@click.option(
+    "--csv",
+    "csv_out",
+    is_flag=False,
+    flag_value="-",
+    default=None,
+    metavar="[FILE|-]",
+    help="Also write the summary table as CSV to FILE (a row per snapshot, or per check of a monitor "
+    "file; empty fields for intervals that could not be formed); --csv alone or --csv - prints it "
+    "instead of the table.",
+)
+@click.option("--force", is_flag=True, help="Overwrite an existing --csv FILE.")
+@reports_errors
+@interval_options
+def summarize(
+    results: tuple[Path, ...], as_json: bool, csv_out: str | None, force: bool, options: IntervalOptions
+) -> None:
+    """Per snapshot: depth-averaged benefit with its confidence intervals, and how long
+    the finishing phase needs to be.
+
+    Several RESULTS files are several training seeds of one experiment: the headline
+    interval is then over per-seed means (n = seeds), and the within-seed interval over
+    batches is shown as batch noise only. One file gives the batch interval alone.
+    A run's monitor file (RUN/monitor.h5) gives the depth-averaged benefit per training step.
+    """
+    if as_json and csv_out == "-":
+        raise InputError("--json and --csv - both print to standard output: pick one")
+    if csv_out is not None and (Path(csv_out) in results or Path(csv_out).suffix in (".h5", ".hdf5", ".nc")):
+        # `--csv a.h5 b.h5` reads a.h5 as the CSV's name: never write over a results file.
+        raise InputError(f"--csv {csv_out}: names a results file; put --csv after the RESULTS or name a .csv file")
+    if csv_out not in (None, "-"):
+        from common.lock import refuse_existing
+
+        refuse_existing([Path(csv_out)], force=force)
+    if _monitor_file(results) is not None:
+        _summarize_monitor(results[0], as_json, options, csv_out, force)
+        return
+    from analysis.stats import finishing_phase, summary_table
+    from analysis.store import open_results
+    from analysis.summary import summary_document, summary_text
+
+    with naming_files(results):
+        ds = open_results(results)
+        warning = _warn_on_mixed_learning_rates(ds, results)
+        rows = summary_table(ds, options=options)
+        has_switch = 0 in ds["uniform_updates"].values
+        phase = finishing_phase(ds, options=options) if has_switch else None
+    if _export_csv(rows, csv_out, force):
+        return
+    if as_json:
+        click.echo(json_text(summary_document(results, rows, phase, options, [warning] if warning else [])))
+    else:
+        click.echo(summary_text(rows, phase, options))
+
+
+@click.command()
+@click.argument("results", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option(
+    "--figure",
+    "figure_number",
+    type=click.Choice(["4", "map", "monitor", "curves", *GRID_FIGURES, DOWNSTREAM_FIGURE]),
+    default="4",
+    show_default=True,
+    help="Which figure: the paper's Figure 4 (results files); map: which update depth helps which serving "
+    "depth, at the switch and after 16 uniform updates (results files diagnosed with several update depths, "
+    "e.g. --update-depths 4,1,2,8,16); monitor: a run's monitor file (RUN/monitor.h5); curves: a run "
+    "directory's training loss (raw and smoothed) and validation NLL per serving depth, the switch marked; "
+    "or from a collected "
+    "grid file (depthdiag grid collect): 1 (recall by serving depth at each FLOP budget), 2 (serving NLL "
+    "against modeled FLOPs), 3-loss (training-loss trajectories), 5 (peak-normalised recall of fixed "
+    "depths), 8 (NLL by serving depth); or 3-downstream: accuracy by serving depth per task from "
+    "`depthdiag lm-eval` files (several: several seeds, drawn as their mean and range).",
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    required=True,
+    help="Image to write (e.g. figures/figure4.png); a PDF is written beside it.",
+)
+@click.option("--force", is_flag=True, help="Overwrite an existing image (and the PDF beside it).")
+@reports_errors
+@interval_options
+def plot(results: tuple[Path, ...], figure_number: str, out: Path, force: bool, options: IntervalOptions) -> None:
+    """Draw a figure from RESULTS files (several files are several seeds: the error bars and
+    bands are then intervals over seeds; with one file they cover batch noise only).
+    `--figure map` draws the update-depth x serving-depth map (seed-level means, or batch
+    means for one file); `--figure monitor` draws a run's RUN/monitor.h5; `--figure curves` a
+    run directory's metrics.jsonl (`depthdiag plot runs/tiny --figure curves --out curves.png`)."""
+    from analysis.figures import figure4, figure_paths, monitor_figure, save_figure, update_depth_map_figure
+    from analysis.monitor import open_monitor
+    from analysis.store import open_results
+    from common.lock import refuse_existing
+
+    refuse_existing(figure_paths(out), force=force)
+    if figure_number == "curves":
+        _plot_curves(results, out, force)
+        return
+    if figure_number in GRID_FIGURES:
+        _plot_grid(results, figure_number, out, force)
+        return
+    if figure_number == DOWNSTREAM_FIGURE:
+        _plot_downstream(results, out, force)
+        return
+    monitor = _monitor_file(results)
+    if (monitor is not None) != (figure_number == "monitor"):
+        wanted = "a monitor file (RUN/monitor.h5)" if figure_number == "monitor" else "results files"
+        raise InputError(f"{results[0]}: --figure {figure_number} draws {wanted}")
+    with naming_files(results):
+        ds = open_monitor(monitor) if monitor is not None else open_results(results)
+        if monitor is None:
+            _warn_on_mixed_learning_rates(ds, results)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if monitor is not None:
+                fig = monitor_figure(ds, options=options)
+            elif figure_number == "map":
+                fig = update_depth_map_figure(ds, options=options)
+            else:
+                fig = figure4(ds, options=options)
+    for warning in caught:
+        click.echo(f"depthdiag: warning: {warning.message}", err=True)
+    for path in save_figure(fig, out, force=force):
+        click.echo(f"wrote {path}")
+
+
+def _plot_grid(results: tuple[Path, ...], figure_number: str, out: Path, force: bool) -> None:
+    from analysis import figures
+    from analysis.grid import open_grid
+
+    if len(results) != 1:
+        raise InputError(f"--figure {figure_number} draws one collected grid file, got {len(results)} files")
+    draw = {
+        "1": figures.figure1,
+        "2": figures.figure2,
+        "3-loss": figures.figure3_loss,
+        "5": figures.figure5,
+        "8": figures.figure8,
+    }[figure_number]
+    with naming_files(results):
+        fig = draw(open_grid(results[0]))
+    for path in figures.save_figure(fig, out, force=force):
+        click.echo(f"wrote {path}")
+
+
+def _plot_curves(runs: tuple[Path, ...], out: Path, force: bool) -> None:
+    from analysis.figures import curves_figure, save_figure
+    from depthdiag.curves import training_curves
+
+    if len(runs) != 1:
+        raise InputError(f"--figure curves draws one run directory, got {len(runs)} paths")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fig = curves_figure(training_curves(runs[0]))
+    for warning in caught:
+        click.echo(f"depthdiag: warning: {warning.message}", err=True)
+    for path in save_figure(fig, out, force=force):
+        click.echo(f"wrote {path}")
+
+
+@click.command()
+@click.argument("results", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option(
+    "--after",
+    "after_updates",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Compare the switch with the snapshot after this many uniform updates.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the table as JSON (NaN as null).")
+@reports_errors
+@interval_options
+def sensitivity(results: tuple[Path, ...], after_updates: int, as_json: bool, options: IntervalOptions) -> None:
+    """Depth-averaged benefit at the switch and after --after uniform updates, for every
+    (isolate, rms_match) combination among RESULTS, as a Markdown table.
+
+    RESULTS may mix settings and seeds: files are grouped by their isolate and rms_match
+    attributes and each group is combined along seeds (its files must differ in the seed only).
+    """
+    from analysis.sensitivity import format_sensitivity_markdown, sensitivity_table
+
+    with naming_files(results):
+        table = sensitivity_table(results, after_updates=after_updates, options=options)
+    if as_json:
+        click.echo(json_text(table.to_dict()))
+    else:
+        click.echo(format_sensitivity_markdown(table))
+
+
+def _plot_downstream(results: tuple[Path, ...], out: Path, force: bool) -> None:
+    from analysis.downstream import open_downstream
+    from analysis.figures import figure3_downstream, save_figure
+
+    with naming_files(results):
+        fig = figure3_downstream(open_downstream(results))
+    for path in save_figure(fig, out, force=force):
+        click.echo(f"wrote {path}")
