@@ -31,12 +31,13 @@ def checked_depths(values: Iterable[int], name: str, *, limit: int | None = None
     unless every one is a positive integer (numpy's included, bools not), at most `limit`, and
     none repeats. The one check of a depth list given as numbers (the API, config files)."""
     depths = tuple(values)
+    allowed = "positive integers" if limit is None else f"depths in 1..{limit}"
     for depth in depths:
         if isinstance(depth, bool) or not hasattr(type(depth), "__index__") or operator.index(depth) < 1:
-            raise InputError(f"{name} must be positive integers, got {depth!r}")
+            raise InputError(f"{name} must be {allowed}, got {depth!r}")
     depths = tuple(operator.index(depth) for depth in depths)
     if limit is not None and any(depth > limit for depth in depths):
-        raise InputError(f"{name} must be depths in 1..{limit}, got {list(depths)}")
+        raise InputError(f"{name} must be {allowed}, got {list(depths)}")
     if len(set(depths)) != len(depths):
         raise InputError(f"{name} must not repeat a depth, got {list(depths)}")
     return depths

@@ -53,15 +53,17 @@ def test_update_depths_share_the_ceiling_and_an_explicit_limit_lifts_both():
 def test_checked_depths_keeps_the_order_and_refuses_what_is_not_a_depth_list():
     assert checked_depths([np.int64(16), 4], "update_depths") == (16, 4)
     for bad, message in [
-        ((4, True), "update_depths must be positive integers, got True"),
-        ((4, 2.0), "update_depths must be positive integers, got 2.0"),
-        ((0, 4), "update_depths must be positive integers, got 0"),
+        ((4, True), r"update_depths must be depths in 1..64, got True"),
+        ((4, 2.0), r"update_depths must be depths in 1..64, got 2.0"),
+        ((0, 4), r"update_depths must be depths in 1..64, got 0"),
         ((4, 65), r"update_depths must be depths in 1..64, got \[4, 65\]"),
         ((4, 16, 4), r"update_depths must not repeat a depth, got \[4, 16, 4\]"),
     ]:
         with pytest.raises(InputError, match=message):
             checked_depths(bad, "update_depths", limit=64)
     assert checked_depths((4, 65), "update_depths") == (4, 65)  # no limit
+    with pytest.raises(InputError, match="update_depths must be positive integers, got 0"):
+        checked_depths((0, 4), "update_depths")
 
 
 @pytest.mark.parametrize(
