@@ -29,6 +29,7 @@ from trainer.config import OptimConfig
 from trainer.loss import clip_gradients_, training_loss
 from trainer.model import LoopedTransformer, ModelConfig
 from trainer.optim import build_optimizer
+from trainer.scoring import nll_by_depth as scoring_nll_by_depth
 
 # The test optimizers have taken a few steps, so compare_updates warns about Adam's bias
 # correction throughout; the warning has its own test at the end.
@@ -1030,3 +1031,33 @@ def test_bf16_means_bf16_whatever_autocasts_default_dtype():
     finally:
         torch.set_autocast_dtype("cpu", before)
     assert loss == expected.item()
+
+
+def test_options_hold_depths_as_tuples_of_ints():
+    options = DiagnosticOptions(update_depths=[np.int64(4), 16], serving_depths=range(1, 4))
+    assert options.update_depths == (4, 16) and options.serving_depths == (1, 2, 3)
+    assert all(type(d) is int for d in (*options.update_depths, *options.serving_depths))
+
+
+class SeparateForwardsOnly(nn.Module):
+    """The tiny model without its one-pass readout: nll_by_depth must fall back to a forward per depth."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, depth):
+        return self.inner(input_ids, depth=depth)
+
+
+def test_the_one_pass_readout_is_used_when_the_model_has_one_and_equals_separate_forwards():
+    model = tiny_model()
+    batch = tokens(3, 5)
+    calls = []
+    one_pass = model.nll_by_depth
+    model.nll_by_depth = lambda *args: calls.append(args) or one_pass(*args)
+    with torch.no_grad():
+        fast = scoring_nll_by_depth(model, batch[:, :-1], batch[:, 1:], [1, 3])
+        slow = scoring_nll_by_depth(SeparateForwardsOnly(model), batch[:, :-1], batch[:, 1:], [1, 3])
+    assert len(calls) == 1
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-6)

@@ -132,6 +132,13 @@ def test_truncated_backprop_counts_forward_only_iterations_at_two_flops_per_para
     assert update_flops(cfg, 6, batch_size=BATCH, seq_len=SEQ) < update_flops(TINY, 6, batch_size=BATCH, seq_len=SEQ)
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_truncation_deeper_than_the_depth_costs_nothing(depth):
+    # backprop_depth 2: a depth of 1 or 2 backpropagates through every iteration, as without truncation.
+    truncated = update_flops(replace(TINY, backprop_depth=2), depth, batch_size=BATCH, seq_len=SEQ)
+    assert truncated == update_flops(TINY, depth, batch_size=BATCH, seq_len=SEQ)
+
+
 @pytest.mark.parametrize("cfg", [TINY, WIDE], ids=["tiny", "wide"])
 def test_eval_and_nll_by_depth_flops_are_flop_counters_count_exactly(cfg):
     torch.manual_seed(0)
