@@ -1,3 +1,5 @@
+"""trainer/bios.py, the bioS task, and its scoring (trainer/scoring.py)."""
+
 import math
 import re
 

@@ -1,3 +1,5 @@
+"""trainer/config.py: loading, overrides and validation of run configs."""
+
 import pytest
 
 from common.errors import InputError

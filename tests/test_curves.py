@@ -1,5 +1,6 @@
-"""`depthdiag plot RUN --figure curves`: a run's metrics.jsonl read without torch, the smoothed
-loss, the figure and the command on a real run."""
+"""`depthdiag plot RUN --figure curves` (depthdiag/curves.py, analysis/figures/curves.py): a run's
+metrics.jsonl read without torch (analysis/training.py), the smoothed loss, the figure and the
+command on a real run."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ matplotlib.use("Agg")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
-from test_train import text_corpus, tiny_config  # noqa: E402
+from helpers import text_corpus, tiny_config  # noqa: E402
 
 from analysis.figures import curves_figure, plot_training_loss, plot_validation_nll  # noqa: E402
 from analysis.stats import trailing_mean  # noqa: E402

@@ -1,3 +1,5 @@
+"""trainer/data.py: the token sources."""
+
 import json
 
 import numpy as np

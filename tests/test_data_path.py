@@ -1,6 +1,7 @@
-"""A relative data.path is relative to the file that gives it (a run config or a grid file) and
-to the working directory on the command line; runs store it absolute, so a run resumes and is
-evaluated from any working directory."""
+"""A behaviour across modules (trainer/config.py, depthdiag/grid.py, the commands): a relative
+data.path is relative to the file that gives it (a run config or a grid file) and to the working
+directory on the command line; runs store it absolute, so a run resumes and is evaluated from
+any working directory."""
 
 from __future__ import annotations
 

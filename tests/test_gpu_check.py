@@ -1,5 +1,6 @@
-"""bench/gpu_check.sh, the short check to run on a GPU machine, run small on the CPU so that
-it keeps working where no GPU is lent (about 5 minutes on 2 cores, so only under `make test-slow`)."""
+"""End to end, not one module: bench/gpu_check.sh, the short check to run on a GPU machine, run
+small on the CPU so that it keeps working where no GPU is lent (about 5 minutes on 2 cores, so
+only under `make test-slow`)."""
 
 from __future__ import annotations
 

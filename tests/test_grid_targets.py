@@ -1,7 +1,7 @@
-"""`make figure1`, `figure5`, `figure2`, `figure3-loss` and `table3` end to end on very
-small grids: the Makefile trains every cell through `depthdiag grid run`, collects them
-with `grid collect` and draws with `plot` / `grid table`, exactly as the default targets
-do, with grid files of the same names over a toy bioS config (seconds per cell)."""
+"""End to end, not one module: `make figure1`, `figure5`, `figure2`, `figure3-loss` and `table3`
+end to end on very small grids: the Makefile trains every cell through `depthdiag grid run`,
+collects them with `grid collect` and draws with `plot` / `grid table`, exactly as the default
+targets do, with grid files of the same names over a toy bioS config (seconds per cell)."""
 
 import json
 import os

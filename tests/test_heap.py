@@ -1,3 +1,5 @@
+"""common/heap.py: freed memory stays in the process, in every command."""
+
 import json
 import os
 import platform

@@ -1,7 +1,8 @@
-"""The package layers point down only (docs/architecture.md): every import of every module,
-read from the source without running it, is checked against the allowed edges, and the
-module graph has no cycle. Function-level (lazy) imports count like top-level ones, and so do
-modules spelled in strings to be run as `python -m MODULE` (a subprocess imports them all the same)."""
+"""The whole source tree, not one module: the package layers point down only
+(docs/architecture.md): every import of every module, read from the source without running it,
+is checked against the allowed edges, and the module graph has no cycle. Function-level (lazy)
+imports count like top-level ones, and so do modules spelled in strings to be run as
+`python -m MODULE` (a subprocess imports them all the same)."""
 
 import ast
 import re

@@ -1,3 +1,5 @@
+"""trainer/model.py: the looped transformer."""
+
 import math
 
 import pytest
@@ -547,7 +549,8 @@ def test_with_every_target_counted_the_coda_runs_as_whole_blocks():
 
 def test_compile_blocks_compiles_every_block_for_static_shapes(monkeypatch):
     # Static shapes: one graph per block shape, shared by every depth (the depth loop stays in Python). Whether
-    # the compiled forward equals the eager one is tests/test_fast_paths.py's; here, what is asked of torch.compile.
+    # the compiled forward equals the eager one is tests/test_train_fast_paths.py's; here, what is asked of
+    # torch.compile.
     model = LoopedTransformer(ModelConfig(vocab_size=64, max_seq_len=16, d_model=32, n_heads=2))
     calls = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: calls.append((self, kwargs)))

@@ -1,7 +1,8 @@
-"""The in-training monitor (diag/monitor.py): training with it equals training without it to
-the bit, a check is `diag.compare_updates` on the run's state, batches and settings, a check
-touches no process state, a killed and resumed run writes the same monitor file, the file's
-schema, and the summarize and plot commands on it."""
+"""The in-training monitor (diag/monitor.py; its file analysis/monitor.py, its figure
+analysis/figures/monitor.py): training with it equals training without it to the bit, a check is
+`diag.compare_updates` on the run's state, batches and settings, a check touches no process
+state, a killed and resumed run writes the same monitor file, the file's schema, and the
+summarize and plot commands on it."""
 
 from __future__ import annotations
 
@@ -19,9 +20,16 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import xarray as xr  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
+from helpers import (  # noqa: E402
+    DDP_CONFIG,
+    Interrupt,
+    assert_same_payload,
+    text_corpus,
+    tiny_config,
+    torchrun_train,
+    without_wall_time,
+)
 from matplotlib.collections import QuadMesh  # noqa: E402
-from test_ddp import torchrun_train  # noqa: E402
-from test_train import Interrupt, read_metrics, text_corpus, tiny_config  # noqa: E402
 
 import diag  # noqa: E402
 from analysis.figures import monitor_figure, plot_monitor_heatmap, plot_monitor_trend  # noqa: E402
@@ -61,26 +69,6 @@ def monitored(config: RunConfig, *more: str) -> RunConfig:
 
 def train_monitored(config: RunConfig, run_dir: Path, **kwargs):
     return train(config, run_dir, monitor=UpdateMonitor(config, run_dir), progress=False, **kwargs)
-
-
-def without_wall_time(run_dir: Path) -> list[dict]:
-    return [{k: v for k, v in r.items() if k != "wall_time"} for r in read_metrics(run_dir)]
-
-
-def assert_same_payload(a, b, where: str = "") -> None:
-    """Two torch.load payloads (dicts of tensors, lists, scalars) equal to the bit."""
-    if torch.is_tensor(a):
-        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            assert_same_payload(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same_payload(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 # --- the config -----------------------------------------------------------------------------
@@ -430,15 +418,12 @@ def test_cli_trains_with_a_monitor_block_then_summarizes_and_plots_it(tmp_path):
 
 
 def test_torchrun_rank_zero_writes_the_monitor_file_of_one_process(tmp_path):
-
-    from test_ddp import CONFIG
-
     corpus = tmp_path / "corpus.txt"
     rng = random.Random(2)
     corpus.write_text(" ".join(rng.choice("one two three four five six seven".split()) for _ in range(3000)))
     config_path = tmp_path / "run.toml"
     config_path.write_text(
-        CONFIG.format(corpus=corpus)
+        DDP_CONFIG.format(corpus=corpus)
         + "\n[monitor]\nevery = 4\nbatches = 2\nupdate_depths = [2, 4]\nserving_depths = [1, 2, 3, 4]\n"
         + "eval_sequences = 4\n"
     )

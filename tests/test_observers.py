@@ -1,3 +1,5 @@
+"""common/observers.py: the config keys that observe a run without changing it."""
+
 from common.observers import OBSERVER_KEYS, without_observer_keys
 from trainer.config import RunConfig
 

@@ -1,42 +1,14 @@
-"""The whole pipeline of `make figure4` at toy scale: train with a switch,
-diagnose the snapshots, summarize, plot."""
+"""End to end, not one module: the whole pipeline of `make figure4` at toy scale through the
+command line: train with a switch, diagnose the snapshots, summarize, plot."""
 
 import json
 
 import numpy as np
 from click.testing import CliRunner
+from helpers import TOY_CONFIG
 
 from analysis.store import open_results
 from depthdiag.cli import main
-
-TOY = """
-[model]
-vocab_size = 256
-max_seq_len = 32
-d_model = 32
-n_heads = 2
-n_prelude = 1
-n_core = 1
-n_coda = 1
-
-[data]
-source = "bios"
-bios_people = 40
-eval_sequences = 8
-
-[optim]
-lr = 3e-3
-warmup = 5
-
-[train]
-schedule = "fixed-first:k0=2,switch=0.5,finish=uniform:1-8"
-updates = 40
-batch_size = 8
-seq_len = 32
-checkpoint_every = 0
-snapshot_uniform_updates = [0, 4, 16]
-snapshot_batches = 3
-"""
 
 
 def invoke(*args: str) -> str:
@@ -47,7 +19,7 @@ def invoke(*args: str) -> str:
 
 def test_train_diagnose_summarize_plot(tmp_path):
     config = tmp_path / "toy.toml"
-    config.write_text(TOY)
+    config.write_text(TOY_CONFIG)
     run_dir, results, figure = tmp_path / "run", tmp_path / "toy.h5", tmp_path / "figure4.png"
 
     invoke("train", str(config), "--out", str(run_dir), "--no-progress")

@@ -1,5 +1,6 @@
-"""`depthdiag recommend`: F from a pilot's monitor file, the switch for a run of N updates, the
-spec and its modeled compute; worked by hand on a synthetic monitor file."""
+"""`depthdiag recommend` (analysis/recommend.py, diag/recommend.py): F from a pilot's monitor file,
+the switch for a run of N updates, the spec and its modeled compute; worked by hand on a
+synthetic monitor file."""
 
 import json
 from pathlib import Path

@@ -1,6 +1,8 @@
-"""Results files that explain themselves: a description and units on every variable and
-coordinate, the training seed as a coordinate, the versions and the source state; older
-files without them still open and combine; `summarize --csv` and `depthdiag --version`."""
+"""A property of every results file, across the modules that write and read them (diag/run.py,
+analysis/store.py, common/provenance.py, analysis/stats.py): results files that explain
+themselves: a description and units on every variable and coordinate, the training seed as a
+coordinate, the versions and the source state; older files without them still open and combine;
+`summarize --csv` and `depthdiag --version`."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import pytest
 import torch
 import xarray as xr
 from click.testing import CliRunner
-from test_diagnose import SERVING, UPDATE_DEPTHS, run_config, write_run
+from helpers import SERVING, UPDATE_DEPTHS, run_config, write_run
 
 from analysis.stats import format_csv, summary_table
 from analysis.store import DESCRIPTIONS, open_results, write_dataset

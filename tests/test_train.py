@@ -1,9 +1,10 @@
-"""The training loop: LR schedule, loss going down, metrics, exact resume, refusals."""
+"""trainer/train.py, the training loop: loss going down, metrics, exact resume, refusals (its LR
+schedule: tests/test_optim.py; its logging: tests/test_train_logging.py; its fast paths:
+tests/test_train_fast_paths.py)."""
 
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -11,84 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import start_holder
+from helpers import Interrupt, read_metrics, start_holder, text_corpus, tiny_config, without_wall_time
 
 from common.errors import InputError, RunFailed
 from trainer.checkpoint import latest_checkpoint, load_snapshot
-from trainer.config import OptimConfig, RunConfig
 from trainer.flops import update_flops
 from trainer.optim import lr_at
 from trainer.schedules import parse_schedule
 from trainer.train import train
-
-WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing in the old oak tree".split()
-
-
-def text_corpus(directory: Path) -> Path:
-    rng = random.Random(0)
-    path = directory / "corpus.txt"
-    path.write_text(" ".join(rng.choice(WORDS) for _ in range(4000)), encoding="utf-8")
-    return path
-
-
-def tiny_config(corpus: Path, **train_overrides) -> RunConfig:
-    """d=32, byte-level text: a run of a few dozen updates takes seconds on one core."""
-    train_section = {
-        "schedule": "fixed-first:k0=2,switch=0.5,finish=uniform:1-4",
-        "updates": 12,
-        "batch_size": 8,
-        "seq_len": 16,
-        "checkpoint_every": 4,
-        "snapshot_uniform_updates": [0, 2],
-        "snapshot_batches": 3,
-        "device": "cpu",
-        "log_every": 1,
-    }
-    train_section.update(train_overrides)
-    return RunConfig.from_dict(
-        {
-            "model": {"vocab_size": 256, "max_seq_len": 16, "d_model": 32, "n_heads": 2},
-            "data": {"source": "text", "path": str(corpus), "eval_sequences": 4},
-            "optim": {"lr": 3e-3, "warmup": 3},
-            "train": train_section,
-        }
-    )
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-# --- learning rate ------------------------------------------------------------------------
-
-
-def reference_lrs(lr: float, warmup: int, decay_fraction: float, min_ratio: float, total: int) -> np.ndarray:
-    """Piecewise schedule built from ramps: warmup ramp, flat, decay ramp ending at min_ratio."""
-    factors = np.ones(total)
-    if warmup:
-        factors = np.minimum(factors, np.minimum(np.arange(1, total + 1) / warmup, 1.0))
-    decay = round(decay_fraction * total)
-    if decay:
-        ramp = np.linspace(1.0, min_ratio, decay + 1)[1:]  # the last update lands on min_ratio
-        factors[total - decay :] = np.minimum(factors[total - decay :], ramp)
-    return lr * factors
-
-
-@pytest.mark.parametrize(
-    "warmup,decay_fraction,min_ratio,total",
-    [(10, 0.2, 0.1, 100), (0, 0.1, 0.0, 50), (5, 0.0, 0.1, 30), (40, 0.5, 0.3, 60), (0, 1.0, 0.5, 7)],
-)
-def test_lr_at_matches_piecewise_reference(warmup, decay_fraction, min_ratio, total):
-    optim = OptimConfig(lr=1e-3, warmup=warmup, decay_fraction=decay_fraction, min_lr_ratio=min_ratio)
-    got = np.array([lr_at(step, optim, total) for step in range(total)])
-    np.testing.assert_allclose(got, reference_lrs(1e-3, warmup, decay_fraction, min_ratio, total), rtol=1e-12)
-    assert lr_at(total + 5, optim, total) == pytest.approx(got[-1])
-
-
-def test_lr_at_rejects_negative_step():
-    with pytest.raises(ValueError):
-        lr_at(-1, OptimConfig(), 10)
-
 
 # --- the loop -----------------------------------------------------------------------------
 
@@ -119,19 +50,6 @@ def test_sgd_and_coarser_logging(tmp_path):
     train(config, tmp_path / "run", progress=False)
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [3, 7, 8]
     assert load_snapshot(latest_checkpoint(tmp_path / "run")).optimizer_class == "SGD"
-
-
-class Interrupt:
-    """Raises KeyboardInterrupt on the n-th modeled-FLOPs call, i.e. in the middle of update n-1."""
-
-    def __init__(self, real, n: int):
-        self.real, self.n, self.calls = real, n, 0
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        if self.calls == self.n:
-            raise KeyboardInterrupt
-        return self.real(*args, **kwargs)
 
 
 def straight_and_killed_runs(config, tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
@@ -199,9 +117,6 @@ def test_resume_inside_a_logging_interval_logs_what_an_uninterrupted_run_logs(tm
         train(config, tmp_path / "resumed", progress=False)
     monkeypatch.undo()
     train(config, tmp_path / "resumed", resume=True, progress=False)
-
-    def without_wall_time(run_dir: Path) -> list[dict]:
-        return [{k: v for k, v in r.items() if k != "wall_time"} for r in read_metrics(run_dir)]
 
     assert without_wall_time(tmp_path / "resumed") == without_wall_time(tmp_path / "straight")
 

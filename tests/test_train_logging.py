@@ -1,6 +1,7 @@
-"""What a run tells while it trains: the depths of each logging interval, the validation NLL
-per serving depth (without changing the training to the bit, resumable), the config keys that
-switch them on (old configs load and compare as before), and the TensorBoard and W&B sinks."""
+"""trainer/train.py's logging and trainer/sinks.py: what a run tells while it trains: the depths of
+each logging interval, the validation NLL per serving depth (without changing the training to
+the bit, resumable), the config keys that switch them on (old configs load and compare as
+before), and the TensorBoard and W&B sinks."""
 
 from __future__ import annotations
 
@@ -17,8 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from test_monitor import assert_same_payload, without_wall_time
-from test_train import Interrupt, read_metrics, text_corpus, tiny_config
+from helpers import Interrupt, assert_same_payload, read_metrics, text_corpus, tiny_config, without_wall_time
 
 from common.errors import InputError
 from trainer.checkpoint import load_snapshot

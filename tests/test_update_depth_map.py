@@ -1,5 +1,5 @@
-"""The update-depth x serving-depth map: its numbers, its figure, `plot --figure map` and
-`make figure-map`."""
+"""The update-depth x serving-depth map (analysis/figures/update_depth_map.py): its numbers, its
+figure, `plot --figure map` and `make figure-map`."""
 
 import shutil
 import subprocess

@@ -1,85 +1,17 @@
-"""torchrun: two gloo processes on CPU train the same run as one process."""
+"""trainer/distributed.py under torchrun: two gloo processes on CPU train the same run as one
+process."""
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import DDP_CONFIG, read_metrics, torchrun_train
 
 from trainer.checkpoint import load_snapshot
 from trainer.schedules import parse_schedule
 from trainer.train import train
-
-CONFIG = """
-[model]
-vocab_size = 256
-max_seq_len = 16
-d_model = 32
-n_heads = 2
-
-[data]
-source = "text"
-path = "{corpus}"
-eval_sequences = 4
-
-[optim]
-lr = 3e-3
-warmup = 2
-
-[train]
-schedule = "fixed-first:k0=2,switch=0.5,finish=uniform:1-4"
-updates = 8
-batch_size = 8
-seq_len = 16
-checkpoint_every = 4
-snapshot_uniform_updates = [0, 2]
-snapshot_batches = 2
-device = "cpu"
-log_every = 1
-eval_every = 4
-eval_depths = "1-3"
-"""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def torchrun_train(config_path: Path, out: Path) -> subprocess.CompletedProcess:
-    """`depthdiag train CONFIG --out OUT` under torchrun with 2 gloo processes, one thread each."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        "-m",
-        "depthdiag",
-        "train",
-        str(config_path),
-        "--out",
-        str(out),
-        "--no-progress",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        command, env=env, capture_output=True, text=True, timeout=240, cwd=Path(__file__).resolve().parents[1]
-    )
 
 
 def test_two_gloo_processes_match_one_process(tmp_path):
@@ -87,7 +19,7 @@ def test_two_gloo_processes_match_one_process(tmp_path):
     rng = random.Random(2)
     corpus.write_text(" ".join(rng.choice("one two three four five six seven".split()) for _ in range(3000)))
     config_path = tmp_path / "run.toml"
-    config_path.write_text(CONFIG.format(corpus=corpus))
+    config_path.write_text(DDP_CONFIG.format(corpus=corpus))
 
     result = torchrun_train(config_path, tmp_path / "ddp")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,6 +1,6 @@
-"""Experiment grids (depthdiag/grid.py): the grid file, budgets sized by the iso-FLOP solver, a
-killed grid that resumes its interrupted cell bit-exactly and skips finished ones, and the
-collected file with exactly one entry per cell."""
+"""Experiment grids (depthdiag/grid.py, and `depthdiag grid` in depthdiag/cli/grid.py): the grid
+file, budgets sized by the iso-FLOP solver, a killed grid that resumes its interrupted cell
+bit-exactly and skips finished ones, and the collected file with exactly one entry per cell."""
 
 import json
 import os

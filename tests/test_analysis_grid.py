@@ -1,5 +1,6 @@
-"""The collected grid file (analysis/grid.py): schema, round trip, seed bands, the terminal
-loss, Table 3 by hand, and the grid figures (1, 2, 3-top, 5, 8) on synthetic grids."""
+"""The collected grid file (analysis/grid.py): schema, round trip, seed bands, the terminal loss,
+Table 3 by hand, and the grid figures (1, 2, 3-top, 5, 8; analysis/figures/grid.py) on synthetic
+grids."""
 
 import math
 

@@ -1,4 +1,5 @@
-"""Figure 4 draws the stored intervals; the summarize and plot commands."""
+"""analysis/figures/benefit.py: Figure 4 draws the stored intervals; and the summarize and plot
+commands on results files (analysis/summary.py, depthdiag/cli/results.py)."""
 
 import json
 

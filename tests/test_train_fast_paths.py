@@ -1,12 +1,12 @@
-"""The fast training paths (bf16 autocast, compiled blocks) against the plain fp32 eager
-path on the same batches (exact resume under bf16: tests/test_train.py)."""
+"""trainer/train.py's fast paths (bf16 autocast, compiled blocks) against the plain fp32 eager path
+on the same batches (exact resume under bf16: tests/test_train.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from test_train import read_metrics, text_corpus, tiny_config
+from helpers import read_metrics, text_corpus, tiny_config
 
 from trainer.checkpoint import latest_checkpoint, load_snapshot
 from trainer.train import train

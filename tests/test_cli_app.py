@@ -1,9 +1,10 @@
-"""What every command shares: exit codes and one-line errors (docs/cli.md)."""
+"""depthdiag/cli/app.py, what every command shares: exit codes and one-line errors (docs/cli.md)."""
 
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from helpers import TOY_CONFIG, start_holder
 
 from common.errors import InputError
 from depthdiag.cli import main
@@ -53,10 +54,8 @@ def run_limited(*args, max_file_bytes: int, cwd):
 
 @pytest.fixture(scope="module")
 def toy_run(tmp_path_factory):
-    from test_pipeline import TOY
-
     directory = tmp_path_factory.mktemp("toy")
-    (directory / "toy.toml").write_text(TOY)
+    (directory / "toy.toml").write_text(TOY_CONFIG)
     code, _, err = run("train", str(directory / "toy.toml"), "--out", str(directory / "run"), "--no-progress")
     assert code == 0, err
     return directory
@@ -83,8 +82,6 @@ def test_training_over_a_file_size_limit_fails_the_run_with_exit_3(toy_run, tmp_
 
 
 def test_eval_out_takes_the_lock_and_refuses_an_existing_file_unless_forced(toy_run, tmp_path):
-    from helpers import start_holder
-
     snapshot = sorted((toy_run / "run" / "snapshots").glob("*.pt"))[0]
     out = tmp_path / "eval.h5"
     args = ["eval", str(snapshot), "--serving", "1-2", "--out", str(out), "--no-progress"]

@@ -1,4 +1,5 @@
-"""`depthdiag diagnose`: snapshot files in, one results file out; resume after a kill."""
+"""diag/run.py, the driver of `depthdiag diagnose` (depthdiag/cli/diagnose.py): snapshot files in,
+one results file out; resume after a kill."""
 
 import json
 import os
@@ -11,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 import xarray as xr
 from click.testing import CliRunner
+from helpers import BATCH, CARRIED, SEQ, SERVING, UPDATE_DEPTHS, run_config, write_run
 
 import diag
 from analysis.store import open_results
@@ -21,72 +22,14 @@ from common.depths import parse_update_depths
 from common.errors import InputError
 from depthdiag.cli import main
 from diag.run import DiagnoseConfig, diagnose
-from trainer.checkpoint import load_snapshot, save_checkpoint, save_snapshot
-from trainer.config import DataConfig, OptimConfig, RunConfig, TrainConfig
+from trainer.checkpoint import load_snapshot
+from trainer.config import DataConfig, RunConfig
 from trainer.data import build_source
-from trainer.model import LoopedTransformer, ModelConfig
-from trainer.optim import build_optimizer
+from trainer.model import ModelConfig
 
 # The runs here are a few updates long, so compare_updates warns about Adam's bias correction
 # throughout; the warning the command prints has its own test at the end.
 pytestmark = pytest.mark.filterwarnings("ignore::diag.engine.BiasCorrectionWarning")
-
-SEQ, BATCH, CARRIED = 12, 4, 6
-UPDATE_DEPTHS, SERVING = (2, 5), (1, 2, 3, 5, 8)
-
-
-def run_config(d_model=32):
-    return RunConfig(
-        model=ModelConfig(vocab_size=200, max_seq_len=SEQ, d_model=d_model, n_heads=2, n_prelude=1, n_core=1, n_coda=1),
-        data=DataConfig(bios_people=20, eval_sequences=8),
-        optim=OptimConfig(lr=1e-2, grad_clip=1.0, warmup=0),
-        train=TrainConfig(batch_size=BATCH, seq_len=SEQ, snapshot_batches=CARRIED, seed=3),
-    )
-
-
-def write_run(directory: Path, config=None):
-    """Two snapshots (0 and 2 uniform updates) and a checkpoint of one short run."""
-    config = config or run_config()
-    torch.manual_seed(0)
-    model = LoopedTransformer(config.model)
-    with torch.no_grad():
-        model.adapter.weight.normal_(0, 0.3)  # let the depth matter from the start
-    optimizer = build_optimizer(model, config.optim)
-    source = build_source(config.data)
-    eval_tokens = source.eval_tokens(config.data.eval_sequences, SEQ)
-    paths = {}
-    for step in range(5):
-        if step in (2, 4):
-            batches = torch.stack([source.batch(config.train.seed, step + i, BATCH, SEQ) for i in range(CARRIED)])
-            paths[step] = save_snapshot(
-                directory / f"snap-u{step - 2:02d}.pt",
-                config=config,
-                step=step,
-                uniform_updates=step - 2,
-                model=model,
-                optimizer=optimizer,
-                lr=7e-3,
-                batches=batches,
-                eval_tokens=eval_tokens,
-            )
-        batch = source.batch(config.train.seed, step, BATCH, SEQ)
-        logits = model(batch[:, :-1], depth=2 + step % 3)
-        F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    paths["checkpoint"] = save_checkpoint(
-        directory / "ckpt-000005.pt",
-        config=config,
-        step=5,
-        uniform_updates=3,
-        model=model,
-        optimizer=optimizer,
-        lr=5e-3,
-        eval_tokens=eval_tokens,
-        progress={"tokens": 0.0},
-    )
-    return paths
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
-"""`depthdiag lm-eval`, the `depthdiag` model of lm-evaluation-harness and Figure 3's bottom
-row, offline: a small local multiple-choice task (tests/data/lm_eval_tasks) and a randomly
-initialised byte-level checkpoint. Every accuracy is checked against a hand computation from
-plain forwards of the model at each depth."""
+"""`depthdiag lm-eval` (depthdiag/downstream.py), the `depthdiag` model of lm-evaluation-harness
+(trainer/lm_harness.py), the downstream file and Figure 3's bottom row (analysis/downstream.py,
+analysis/figures/downstream.py), offline: a small local multiple-choice task
+(tests/data/lm_eval_tasks) and a randomly initialised byte-level checkpoint. Every accuracy is
+checked against a hand computation from plain forwards of the model at each depth."""
 
 from __future__ import annotations
 
