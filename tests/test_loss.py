@@ -59,3 +59,14 @@ def test_bf16_runs_the_forward_under_autocast_and_the_loss_in_fp32():
     assert summed_token_loss(logits, torch.tensor([[0, 1]])).dtype == torch.float32
     with forward_precision("cpu", "fp32"):
         assert not torch.is_autocast_enabled("cpu")
+
+
+def test_a_bf16_loss_is_the_forward_under_bf16_autocast():
+    torch.manual_seed(0)
+    model = LoopedTransformer(ModelConfig(vocab_size=32, max_seq_len=8, d_model=16, n_heads=2))
+    batch = torch.randint(0, 32, (2, 9))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(batch[:, :-1], depth=2)
+    expected = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="mean")
+    assert torch.equal(training_loss(model, batch, 2, precision="bf16"), expected)
+    assert not torch.equal(training_loss(model, batch, 2), expected)

@@ -8,7 +8,14 @@ from scipy import stats
 
 from common.errors import InputError
 from trainer.rng import batch_rng, seeded_generator
-from trainer.schedules import DEPTH_SALT, PLNSchedule, ProgressiveSchedule, parse_schedule
+from trainer.schedules import (
+    DEPTH_SALT,
+    FixedFirstSchedule,
+    PLNSchedule,
+    ProgressiveSchedule,
+    UniformSchedule,
+    parse_schedule,
+)
 
 ALPHA = 1e-3  # goodness-of-fit tests use fixed seeds, so a pass is reproducible
 
@@ -111,6 +118,16 @@ def test_bad_specs_raise_one_line_input_errors(spec):
         ("progressive:sigma=abc", "sigma must be a number"),
         ("progressive:max=1.5", "max must be an integer"),
         ("progressive:warmup=abc", "warmup must be a number"),
+        ("uniform:a-16", "low must be an integer, got 'a'"),
+        ("uniform:1-b", "high must be an integer, got 'b'"),
+        ("uniform:1-2-3", "high must be an integer, got '2-3'"),
+        ("fixed-first:k0=x", "k0 must be an integer, got 'x'"),
+        ("fixed-first:k0=4=5", "k0 must be an integer, got '4=5'"),
+        ("fixed-first:k0=4X", "k0 must be an integer, got '4X'"),
+        ("fixed-first:switch=x", "switch must be a number, got 'x'"),
+        ("fixed-first:=4", "expected key=value, got '=4'"),
+        ("fixed-first:k0=", "expected key=value, got 'k0='"),
+        ("fixed-first:finish=uniform:1:16", "finish 'uniform:1:16': expected a range .* got '1:16'"),
     ],
 )
 def test_a_malformed_value_is_named_by_its_key(spec, message):
@@ -323,3 +340,24 @@ def test_fixed_first_finish_uses_the_finish_schedule_draws():
     expected = {k: 0.5 * p for k, p in finish.depth_distribution(0).items()}
     expected[4] += 0.5
     assert average == pytest.approx(expected)
+
+
+def test_the_smallest_fixed_first_and_uniform_ranges_are_accepted():
+    assert parse_schedule("fixed-first:k0=1,switch=0.5", seed=0, total_updates=10).k0 == 1
+    assert parse_schedule("uniform:3-3", seed=0, total_updates=10).depth_distribution(0) == {3: 1.0}
+
+
+@pytest.mark.parametrize("total_updates", [0, -1, True, 10.0])
+def test_a_run_length_that_is_not_a_positive_integer_is_refused(total_updates):
+    with pytest.raises(InputError, match="total_updates"):
+        parse_schedule("uniform:1-16", seed=0, total_updates=total_updates)
+
+
+def test_a_fixed_first_finish_draws_from_the_runs_seed_and_length():
+    # Built directly, with a finish made for another seed and run length: the run's own win.
+    schedule = FixedFirstSchedule(
+        k0=4, switch=0.5, finish=UniformSchedule(1, 16, seed=3, total_updates=1), seed=7, total_updates=100
+    )
+    assert (schedule.finish.seed, schedule.finish.total_updates) == (7, 100)
+    parsed = parse_schedule("fixed-first:k0=4,switch=0.5,finish=uniform:1-16", seed=7, total_updates=100)
+    assert depths_of(schedule, range(100)) == depths_of(parsed, range(100))
