@@ -298,3 +298,17 @@ def test_flops_report_without_a_match_and_by_default_without_the_head():
     assert report.match is None and report.include_embeddings is False
     assert report.schedules[0].modeled_flops == pytest.approx(10 * update_flops(TINY, 4, batch_size=BATCH, seq_len=SEQ))
     assert report.to_dict()["match"] is None
+
+
+@pytest.mark.parametrize("depth", [0, -1, True, 2.0])
+def test_a_depth_that_is_not_a_positive_integer_is_refused(depth):
+    with pytest.raises(InputError, match="depth must be a positive integer"):
+        update_flops(TINY, depth, batch_size=BATCH, seq_len=SEQ)
+
+
+@pytest.mark.parametrize("shape", [(0, SEQ), (BATCH, 0)])
+def test_an_empty_batch_is_refused_and_one_token_is_not(shape):
+    batch_size, seq_len = shape
+    with pytest.raises(InputError, match="batch_size and seq_len must be >= 1"):
+        update_flops(TINY, 2, batch_size=batch_size, seq_len=seq_len)
+    assert update_flops(TINY, 2, batch_size=1, seq_len=1) > 0

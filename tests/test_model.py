@@ -8,7 +8,13 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from common.errors import InputError
-from trainer.model import EXPLICIT_ATTENTION_MAX_LEN, LoopedTransformer, ModelConfig, _cpu_low_precision_attention
+from trainer.model import (
+    EXPLICIT_ATTENTION_MAX_LEN,
+    LoopedTransformer,
+    ModelConfig,
+    Rotary,
+    _cpu_low_precision_attention,
+)
 
 SMALL = dict(vocab_size=40, max_seq_len=16, d_model=32, n_heads=2, n_prelude=1, n_core=2, n_coda=1)
 
@@ -558,3 +564,13 @@ def test_compile_blocks_compiles_every_block_for_static_shapes(monkeypatch):
     blocks = [*model.prelude, *model.core, *model.coda]
     assert [block for block, _ in calls] == blocks and len(blocks) == 4
     assert all(kwargs == {"dynamic": False} for _, kwargs in calls)
+
+
+def test_rotary_keeps_a_bf16_input_in_bf16_with_tables_rounded_to_it():
+    rotary = Rotary(8, 16)
+    x = torch.randn(2, 16, 8).to(torch.bfloat16)
+    out = rotary(x)
+    assert out.dtype == torch.bfloat16
+    cos, sin = rotary.cos.to(torch.bfloat16), rotary.sin.to(torch.bfloat16)
+    swapped = torch.stack((x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    assert torch.equal(out, x * cos + swapped * sin)
