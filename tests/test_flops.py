@@ -14,6 +14,7 @@ from trainer.config import load_config
 from trainer.flops import (
     eval_flops,
     flops_report,
+    format_flops_report,
     iso_flop_updates,
     mean_depth,
     nll_by_depth_flops,
@@ -312,3 +313,35 @@ def test_an_empty_batch_is_refused_and_one_token_is_not(shape):
     with pytest.raises(InputError, match="batch_size and seq_len must be >= 1"):
         update_flops(TINY, 2, batch_size=batch_size, seq_len=seq_len)
     assert update_flops(TINY, 2, batch_size=1, seq_len=1) > 0
+
+
+def test_the_flops_table_written_out_in_full():
+    # The tiny-monitor model (test_recommend.py works its FLOPs by hand: 2,560,512 per token once and 2,755,584 per
+    # iteration): fixed:4 over 1,024 updates of 32 x 64 tokens is 2,048 x (1,024 x 2,560,512 + 4,096 x 2,755,584)
+    # = 2.8485e13, uniform:1-16 (depth sum 8,704) 5.4490e13; 535 uniform updates come closest to fixed:4's compute.
+    config = load_config("configs/tiny-monitor.toml")
+    report = flops_report(
+        config.model, ["fixed:4", "uniform:1-16"], updates=1024, batch_size=32, seq_len=64, match="uniform:1-16"
+    )
+    assert format_flops_report(report, config.model, source="tiny.toml") == "\n".join(
+        [
+            "tiny.toml: 0.8M non-embedding parameters; 1,024 updates x 32 x 64 tokens (2.10M tokens); LM head excluded",
+            "schedule      modeled FLOPs  mean depth  vs uniform:1-16",
+            "fixed:4          2.8485e+13       4.000           52.28%",
+            "uniform:1-16     5.4490e+13       8.500          100.00%",
+            "match: uniform:1-16 over 535 updates (2.8469e+13 FLOPs) matches fixed:4 over 1,024 updates "
+            "(2.8485e+13 FLOPs)",
+        ]
+    )
+    with_head = flops_report(
+        config.model, ["fixed:4"], updates=1024, batch_size=32, seq_len=64, include_embeddings=True
+    )
+    first, header, row = format_flops_report(with_head, config.model, source="tiny.toml").splitlines()
+    assert first.endswith("LM head included") and header.startswith("schedule  modeled FLOPs")
+    # A billion tokens and more are counted in billions, fewer in millions.
+    billion = flops_report(config.model, ["fixed:4"], updates=1_000_000, batch_size=1, seq_len=1000)
+    assert "1,000,000 updates x 1 x 1000 tokens (1.00B tokens)" in format_flops_report(
+        billion, config.model, source="x"
+    )
+    fewer = flops_report(config.model, ["fixed:4"], updates=999_999, batch_size=1, seq_len=1000)
+    assert "(1000.00M tokens)" in format_flops_report(fewer, config.model, source="x")

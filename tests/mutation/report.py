@@ -11,7 +11,10 @@ An equivalent mutant is named by its function and its change (the removed and th
 not by mutmut's number, which shifts when the function changes: an entry whose change no longer
 occurs is reported as stale, so a reason never outlives the code it was written for. The same file
 names, under [[killed_outside]], the few mutants a test kills that cannot run under mutmut (its
-trampoline adds a stack frame); they count as killed, each with the test and why.
+trampoline adds a stack frame); they count as killed, each with the test and why. Under
+[[needs_device]] it names survivors that differ from the code only on a CUDA device (a tensor's
+device, capturable or fused optimizer state): they stay survivors, with the reason, until a
+machine with a GPU runs them.
 
 Run from the repository root after `mutmut run`: python tests/mutation/report.py > REPORT.md
 """
@@ -91,6 +94,7 @@ def load_entries(kind: str) -> dict[tuple[str, str, str], dict]:
 def report(paths: list[str]) -> str:
     equivalent = {key: entry["why"] for key, entry in load_entries("equivalent").items()}
     killed_outside = load_entries("killed_outside")
+    needs_device = {key: entry["why"] for key, entry in load_entries("needs_device").items()}
     used: set[tuple[str, str, str]] = set()
     unchecked_functions: set[str] = set()
     rows, details = [], []
@@ -103,6 +107,7 @@ def report(paths: list[str]) -> str:
         shown = [m for m in undetected if m.status == "survived" and m.key in equivalent]
         outside = [m for m in undetected if m.status == "survived" and m.key in killed_outside]
         used.update(m.key for m in shown + outside)
+        used.update(m.key for m in undetected if m.status == "survived" and m.key in needs_device)
         killed = counts["killed"] + counts["timeout"] + len(outside)
         score = killed / (len(checked) - len(shown)) if len(checked) > len(shown) else math.nan
         other = len(undetected) - counts["survived"] - counts["no tests"]
@@ -120,9 +125,12 @@ def report(paths: list[str]) -> str:
                 elif m.status == "survived" and m.key in killed_outside:
                     entry = killed_outside[m.key]
                     verdict = f"killed outside mutmut by `{entry['test']}`: {entry['why']}"
+                elif m.status == "survived" and m.key in needs_device:
+                    verdict = f"**survived**, needs a CUDA device: {needs_device[m.key]}"
                 details.append(f"- `{m.name.rpartition('.')[2]}` `{m.removed}` -> `{m.added}`: {verdict}")
     # An entry for a function with mutants still unchecked may yet match one of them.
-    stale = [key for key in (*equivalent, *killed_outside) if key not in used and key[0] not in unchecked_functions]
+    listed = (*equivalent, *killed_outside, *needs_device)
+    stale = [key for key in listed if key not in used and key[0] not in unchecked_functions]
     lines = [
         "| module | mutants | checked | killed | survived | no tests | equivalent | other | score |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -151,8 +159,9 @@ mutant the run reached ("no tests" included, as not killed); an equivalent mutan
 same results as the code for every input it can receive (the reason stands beside it below, from
 `tests/mutation/equivalent.toml`). A mutant *killed outside mutmut* is killed by a test that
 cannot run under mutmut (it is deselected there; the test and the reason stand beside it) and
-counts as killed. Input checks' `raise InputError(...)` statements are not mutated (their
-conditions are): a message is not a number we publish.
+counts as killed. A survivor that *needs a CUDA device* differs from the code only there (the
+reason beside it); it stays a survivor. Input checks' `raise InputError(...)` statements are not
+mutated (their conditions are): a message is not a number we publish.
 
 Tests run against the mutants: {tests}.
 """
