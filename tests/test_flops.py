@@ -345,3 +345,7 @@ def test_the_flops_table_written_out_in_full():
     )
     fewer = flops_report(config.model, ["fixed:4"], updates=999_999, batch_size=1, seq_len=1000)
     assert "(1000.00M tokens)" in format_flops_report(fewer, config.model, source="x")
+    # Just past a rounding boundary (1.005000001): divided by anything but 1e9 or 1e6 it rounds down.
+    for updates, text in ((1_005_000_001, "(1.01B tokens)"), (1_005_001, "(1.01M tokens)")):
+        report = flops_report(config.model, ["fixed:4"], updates=updates, batch_size=1, seq_len=1)
+        assert text in format_flops_report(report, config.model, source="x")

@@ -148,7 +148,9 @@ def header(config: dict) -> str:
     tests = ", ".join(f"`{Path(t).name}`" for t in config["pytest_add_cli_args_test_selection"])
     return f"""# Mutation report
 
-`make mutants` on commit {commit or "(no git)"}, mutmut {version("mutmut")}, {date.today().isoformat()}.
+mutmut {version("mutmut")}'s results in mutants/ for the code of commit {commit or "(no git)"},
+{date.today().isoformat()}. mutmut keeps a verdict while its function's code is unchanged (a hash per
+function), so a run resumed or rerun after a change checks only the functions that changed.
 
 mutmut makes one small change at a time (an operator, a number, a comparison, an argument dropped)
 in every function of the numeric core and runs the selected tests that reach that function against
