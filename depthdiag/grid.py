@@ -1,7 +1,7 @@
 """Experiment grids: one TOML file names a base config and the axes to vary; `run_grid`
 trains every cell that is not finished, `collect_grid` evaluates every finished cell
 at many serving depths and writes one xarray/HDF5 file with a dimension per axis
-(schema: analysis/grid.py).
+(schema: analysis/grid_file.py).
 
 A grid file:
 
@@ -59,7 +59,7 @@ from common.depths import parse_serving_depths
 from common.errors import InputError, RunFailed
 from common.lock import exclusive_output
 from common.progress import progress_bar
-from trainer.checkpoint import latest_checkpoint
+from trainer.checkpoint import CHECKPOINT_DIR, checkpoint_name, latest_checkpoint
 from trainer.config import RunConfig, load_config
 from trainer.flops import iso_flop_updates, schedule_flops
 from trainer.schedules import parse_schedule
@@ -583,8 +583,8 @@ def collect_cell(cell: Cell, runs: Path, serving: tuple[int, ...], *, device: st
         raise InputError(f"{run_dir}: the cell has not finished training; run `depthdiag grid run` first")
     checkpoint = latest_checkpoint(run_dir)
     updates = cell.config.train.updates
-    if checkpoint is None or checkpoint.name != f"step_{updates:06d}.pt":
-        raise InputError(f"{run_dir}: no checkpoint of the final update ({updates}) in {run_dir / 'checkpoints'}")
+    if checkpoint is None or checkpoint.name != checkpoint_name(updates):
+        raise InputError(f"{run_dir}: no checkpoint of the final update ({updates}) in {run_dir / CHECKPOINT_DIR}")
     summary_path = run_dir / "summary.json"
     try:
         summary = json.loads(summary_path.read_text(encoding="utf-8"))
