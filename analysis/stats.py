@@ -23,7 +23,7 @@ import numpy as np
 import scipy.stats
 import xarray as xr
 
-from common.choices import INTERVAL_METHOD_CHOICES
+from common.choices import INTERVAL_METHOD_CHOICES, RESAMPLES_RANGE
 from common.errors import InputError
 
 Method = Literal["t", "bca"]
@@ -93,7 +93,7 @@ class IntervalOptions:
     method: Method = "t"
     """'t': Student-t interval over units; 'bca': BCa bootstrap interval over units."""
     n_resamples: int = 9999
-    """Bootstrap resamples (method 'bca' only)."""
+    """Bootstrap resamples (method 'bca' only), within common.choices.RESAMPLES_RANGE."""
     seed: int = 0
     """Seed of the bootstrap resampling (method 'bca' only), so intervals are reproducible."""
 
@@ -104,8 +104,9 @@ class IntervalOptions:
             raise InputError(
                 f"interval method must be one of {', '.join(INTERVAL_METHOD_CHOICES)}, got {self.method!r}"
             )
-        if self.n_resamples < 1:
-            raise InputError(f"n_resamples must be positive, got {self.n_resamples}")
+        fewest, most = RESAMPLES_RANGE
+        if not fewest <= self.n_resamples <= most:
+            raise InputError(f"n_resamples must be in [{fewest}, {most}], got {self.n_resamples}")
 
 
 def replication_units(benefit: xr.DataArray, *, seed_dim: str = "seed") -> tuple[xr.DataArray, str]:

@@ -18,3 +18,8 @@ FINISH_RULE_CHOICES = ("fraction", "zero", "either")
 the mean benefit is below a fraction of the switch's, its interval over batches contains 0, or either."""
 DOCUMENT_CHOICES = ("paragraph", "file")
 """What a document of a plain-text file is for `depthdiag prepare` (see trainer/prepare.py)."""
+RESAMPLES_RANGE = (100, 10**6)
+"""Bootstrap resamples a BCa interval may use, inclusive. Below 100 a 95% interval's tails rest on
+two or three resamples each (and one resample gives no interval at all); at 10**6 one interval over
+64 batches already takes about 1 GB and 2.5 s on one core (scipy draws every resample at once), and
+a summary forms dozens of them."""

@@ -33,6 +33,7 @@ from analysis.stats import (
     t_interval,
     trailing_mean,
 )
+from common.choices import RESAMPLES_RANGE
 
 
 def benefit_results(
@@ -452,7 +453,8 @@ def test_bca_options_reach_the_bootstrap():
 
 
 def test_the_extreme_valid_options_are_accepted():
-    assert IntervalOptions(level=0.01, n_resamples=1).n_resamples == 1
+    assert IntervalOptions(level=0.01, n_resamples=RESAMPLES_RANGE[0]).n_resamples == RESAMPLES_RANGE[0]
+    assert IntervalOptions(n_resamples=RESAMPLES_RANGE[1]).n_resamples == RESAMPLES_RANGE[1]
     assert IntervalOptions(level=0.999).level == 0.999
 
 

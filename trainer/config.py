@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import tomllib
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -245,6 +247,10 @@ SECTIONS = {
     "logging": LoggingConfig,
 }
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""The integers a config field takes: every one ends up in a torch or numpy int64 somewhere
+(seeds, shapes, step counters), and beyond them torch and numpy fail with a traceback."""
+
 OPTIONAL_SECTIONS = ("monitor", "logging")
 """Sections left out of `RunConfig.to_dict` while they equal their defaults."""
 OPTIONAL_KEYS = {"train": ("eval_every", "eval_depths")}
@@ -301,8 +307,13 @@ class RunConfig:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any], source: str = "config") -> RunConfig:
-        """Build and validate; any problem raises InputError naming `source`."""
+    def from_dict(
+        cls, values: dict[str, Any], source: str = "config", suppliers: Mapping[str, str] | None = None
+    ) -> RunConfig:
+        """Build and validate; any problem raises InputError naming `source`, or, for a problem
+        with values that `suppliers` attributes ('section.key' -> e.g. "--set 'train.seed=3'"),
+        the suppliers of the values it names."""
+        suppliers = suppliers or {}
         unknown = sorted(set(values) - set(SECTIONS))
         if unknown:
             raise InputError(f"{source}: unknown config section(s): {', '.join(unknown)}")
@@ -316,19 +327,25 @@ class RunConfig:
             if bad:
                 raise InputError(f"{source}: unknown key(s) in [{name}]: {', '.join(bad)}")
             for key, value in section.items():
+                given_by = suppliers.get(f"{name}.{key}", source)
                 expected = _expected_type(klass, key)
                 if not _has_type(value, expected):
-                    raise InputError(f"{source}: {name}.{key} must be {expected}, got {value!r}")
+                    raise InputError(f"{given_by}: {name}.{key} must be {expected}, got {value!r}")
                 if isinstance(value, float) and not math.isfinite(value):
-                    raise InputError(f"{source}: {name}.{key} must be a finite number, got {value!r}")
+                    raise InputError(f"{given_by}: {name}.{key} must be a finite number, got {value!r}")
+                if any(not INT64_MIN <= v <= INT64_MAX for v in _integers(value)):
+                    raise InputError(
+                        f"{given_by}: {name}.{key}={value!r} is outside the 64-bit integer range "
+                        f"[{INT64_MIN}, {INT64_MAX}]"
+                    )
             try:
                 sections[name] = klass(**section)
             except (TypeError, ValueError) as err:
-                raise InputError(f"{source}: {err}") from None
+                raise InputError(_blamed(str(err), source, suppliers)) from None
         try:
             return cls(**sections)
         except ValueError as err:
-            raise InputError(f"{source}: {err}") from None
+            raise InputError(_blamed(str(err), source, suppliers)) from None
 
     @classmethod
     def from_json(cls, text: str, source: str = "config") -> RunConfig:
@@ -342,17 +359,46 @@ class RunConfig:
         """Apply `section.key=value` assignments; values parse as TOML literals
         (numbers, booleans, arrays, quoted strings) and fall back to bare strings."""
         values = self.all_sections()
-        for assignment in assignments:
-            key, sep, raw = assignment.partition("=")
-            section, dot, name = key.strip().partition(".")
-            if not sep or not dot or section not in SECTIONS:
-                raise InputError(
-                    f"--set {assignment!r}: expected section.key=value with section in {', '.join(SECTIONS)}"
-                )
-            if name not in values[section]:
-                raise InputError(f"--set {assignment!r}: unknown key {name!r} in [{section}]")
-            values[section][name] = _parse_literal(raw.strip())
-        return RunConfig.from_dict(values, source="--set")
+        suppliers = _apply_overrides(values, assignments, source="config")
+        every = ", ".join(f"--set {assignment!r}" for assignment in assignments) or "config"
+        return RunConfig.from_dict(values, source=every, suppliers=suppliers)
+
+
+def _apply_overrides(values: dict[str, Any], assignments: list[str] | tuple[str, ...], source: str) -> dict[str, str]:
+    """Set each `section.key=value` of `assignments` in the raw sections `values` (in place,
+    later ones winning); returns 'section.key' -> the assignment that gave it, as errors name it."""
+    suppliers = {}
+    for assignment in assignments:
+        key, sep, raw = assignment.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot or section not in SECTIONS:
+            raise InputError(f"--set {assignment!r}: expected section.key=value with section in {', '.join(SECTIONS)}")
+        if name not in {f.name for f in fields(SECTIONS[section])}:
+            raise InputError(f"--set {assignment!r}: unknown key {name!r} in [{section}]")
+        table = values.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise InputError(f"{source}: [{section}] must be a table")
+        table[name] = _parse_literal(raw.strip())
+        suppliers[f"{section}.{name}"] = f"--set {assignment!r}"
+    return suppliers
+
+
+_NAMED_KEY = re.compile(rf"\b(?:{'|'.join(SECTIONS)})\.\w+")
+
+
+def _blamed(problem: str, source: str, suppliers: Mapping[str, str]) -> str:
+    """'WHO: problem', WHO being the suppliers of the keys `problem` names, `source` first; when
+    it names none of theirs (some messages name only one of the keys they check), `source` and
+    every supplier."""
+    named = dict.fromkeys(suppliers[key] for key in _NAMED_KEY.findall(problem) if key in suppliers)
+    who = named or dict.fromkeys([source, *suppliers.values()])
+    return f"{', '.join(sorted(who, key=lambda supplier: supplier != source))}: {problem}"
+
+
+def _integers(value: Any) -> list[int]:
+    """The integers a field value holds (bools are flags, not integers)."""
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return [v for v in items if isinstance(v, int) and not isinstance(v, bool)]
 
 
 def _expected_type(klass: type, key: str) -> str:
@@ -380,7 +426,9 @@ def _parse_literal(raw: str) -> Any:
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Read a TOML run config; errors raise InputError naming the file.
+    """Read a TOML run config and apply `overrides` (`section.key=value`, as `with_overrides`
+    parses them), then validate the result once, so an override may complete or correct the
+    file; errors raise InputError naming the file, or the override that gave the bad value.
 
     A relative data.path in the file is relative to the file's folder, one in `overrides`
     (`--set data.path=...`) to the working directory. Either way the config holds it absolute
@@ -395,15 +443,16 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise InputError(f"{path}: cannot read config ({err})") from None
     except tomllib.TOMLDecodeError as err:
         raise InputError(f"{path}: invalid TOML ({err})") from None
-    config = _absolute_data_path(RunConfig.from_dict(values, source=str(path)), path.parent)
-    return _absolute_data_path(config.with_overrides(overrides), Path.cwd()) if overrides else config
-
-
-def _absolute_data_path(config: RunConfig, folder: Path) -> RunConfig:
-    """`config` with a relative data.path taken relative to `folder`."""
-    if not config.data.path or Path(config.data.path).is_absolute():
-        return config
-    return replace_section(config, "data", path=str((folder / config.data.path).resolve()))
+    suppliers = {
+        f"{name}.{key}": str(path) for name, section in values.items() if isinstance(section, dict) for key in section
+    }
+    suppliers.update(_apply_overrides(values, overrides, source=str(path)))
+    data = values.get("data")
+    if isinstance(data, dict) and isinstance(data.get("path"), str) and data["path"]:
+        folder = path.parent if suppliers["data.path"] == str(path) else Path.cwd()
+        if not Path(data["path"]).is_absolute():
+            data["path"] = str((folder / data["path"]).resolve())
+    return RunConfig.from_dict(values, source=str(path), suppliers=suppliers)
 
 
 def replace_section(config: RunConfig, section: str, **changes: Any) -> RunConfig:

@@ -9,6 +9,7 @@ import click
 from common.choices import (
     DEVICE_CHOICES,
     INTERVAL_METHOD_CHOICES,
+    RESAMPLES_RANGE,
 )
 from common.depths import MAX_SERVING_DEPTH, SERVING_DEPTHS, depths_text
 
@@ -59,7 +60,13 @@ _interval_option_declarations = stacked(
         help="Student-t interval, or BCa bootstrap as a check.",
     ),
     click.option(
-        "--resamples", "n_resamples", type=int, default=9999, show_default=True, help="Bootstrap resamples (bca)."
+        "--resamples",
+        "n_resamples",
+        type=click.IntRange(*RESAMPLES_RANGE),
+        default=9999,
+        show_default=True,
+        help=f"Bootstrap resamples (bca), {RESAMPLES_RANGE[0]} to {RESAMPLES_RANGE[1]:,}: fewer leave the interval's "
+        "tails resting on a handful of resamples, more take over a gigabyte and seconds per interval.",
     ),
 )
 
