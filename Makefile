@@ -67,13 +67,14 @@ figure4: $(VENV)/.installed
 figure4-files: $(FIGURE) $(SUMMARY)
 
 # A seed's summary.json marks its finished training run (snapshots included). A run
-# interrupted before it resumes from its newest checkpoint; a finished run whose config
-# or sources changed starts over, and its diagnostics with it.
+# interrupted before it resumes from its newest checkpoint, or starts over (--force) when it
+# was stopped before its first; a finished run whose config or sources changed starts over,
+# and its diagnostics with it.
 $(RUNS)/seed%/summary.json: $(CONFIG) $(TRAINER_SOURCES) | $(VENV)/.installed
 	if [ -e $@ ]; then rm -rf $(RUNS)/seed$* $(RESULTS)/seed$*.h5 $(RESULTS)/seed$*.h5.parts \
 	  $(RESULTS)/map-seed$*.h5 $(RESULTS)/map-seed$*.h5.parts; fi
 	OMP_NUM_THREADS=$(THREADS) $(DEPTHDIAG) train $(CONFIG) --out $(RUNS)/seed$* --set train.seed=$* \
-	  $$(if [ -e $(RUNS)/seed$*/checkpoints/latest ]; then echo --resume $(RUNS)/seed$*; fi)
+	  $$(if [ -e $(RUNS)/seed$*/checkpoints/latest ]; then echo --resume $(RUNS)/seed$*; else echo --force; fi)
 
 $(RESULTS)/seed%.h5: $(RUNS)/seed%/summary.json $(DIAG_SOURCES) analysis/store.py
 	mkdir -p $(dir $@)
@@ -231,7 +232,7 @@ FINISH_RUNS ?= runs/finishing-$(basename $(notdir $(PILOT_CONFIG)))
 $(PILOT)/summary.json: $(PILOT_CONFIG) $(TRAINER_SOURCES) $(DIAG_SOURCES) | $(VENV)/.installed
 	if [ -e $@ ]; then rm -rf $(PILOT) $(FINISHING) $(FINISH_RUNS); fi
 	OMP_NUM_THREADS=$(THREADS) $(DEPTHDIAG) train $(PILOT_CONFIG) --out $(PILOT) --set train.seed=0 $(PILOT_OPTIONS) \
-	  $$(if [ -e $(PILOT)/checkpoints/latest ]; then echo --resume $(PILOT); fi)
+	  $$(if [ -e $(PILOT)/checkpoints/latest ]; then echo --resume $(PILOT); else echo --force; fi)
 
 $(FINISHING)/grid.toml: $(PILOT)/summary.json $(ANALYSIS_SOURCES)
 	mkdir -p $(dir $@)

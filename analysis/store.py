@@ -28,15 +28,18 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
+import h5py
 import numpy as np
 import xarray as xr
 
 from common.atomic import atomic_output
-from common.errors import InputError
+from common.errors import InputError, unreachable_input
 from common.lock import claimed_outputs
 from common.observers import without_observer_keys
+from common.outputs import WRITTEN_BY, OutputKind
 
 ENGINE = "h5netcdf"
 COMPRESSION = {"zlib": True, "complevel": 4, "shuffle": True}
@@ -103,6 +106,28 @@ def _netcdf_attr(name: str, value):
     )
 
 
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def _is_results_file(path: Path) -> bool:
+    """An HDF5 file whose attributes carry depthdiag's mark (`written_by`, which `write_dataset`
+    adds) or, in files from before the mark, depthdiag's provenance."""
+    try:
+        with open(path, "rb") as handle:
+            if handle.read(len(_HDF5_SIGNATURE)) != _HDF5_SIGNATURE:
+                return False
+        with h5py.File(path, "r") as file:
+            written_by = file.attrs.get("written_by", b"")
+            written_by = written_by.decode() if isinstance(written_by, bytes) else str(written_by)
+            return written_by == WRITTEN_BY or "depthdiag_version" in file.attrs
+    except (OSError, ValueError):
+        return False
+
+
+RESULTS_FILE = OutputKind("results file", _is_results_file)
+"""What `write_results` (and --force) may replace: a results file depthdiag wrote."""
+
+
 def write_dataset(ds: xr.Dataset, path: str | os.PathLike) -> None:
     """Write `ds` to `path` atomically, compressed (zlib 4 + shuffle on numeric data variables).
 
@@ -110,7 +135,8 @@ def write_dataset(ds: xr.Dataset, path: str | os.PathLike) -> None:
     (see `_netcdf_attr`); any other attribute type raises TypeError naming it.
     """
     ds = ds.copy(deep=False)
-    ds.attrs = {key: _netcdf_attr(key, value) for key, value in ds.attrs.items()}
+    # The mark by which --force recognises a results file depthdiag wrote (common/outputs.py).
+    ds.attrs = {key: _netcdf_attr(key, value) for key, value in {**ds.attrs, "written_by": WRITTEN_BY}.items()}
     encoding = {}
     for name, variable in ds.variables.items():
         variable.attrs = {key: _netcdf_attr(f"{name}.{key}", value) for key, value in variable.attrs.items()}
@@ -127,10 +153,13 @@ def write_dataset(ds: xr.Dataset, path: str | os.PathLike) -> None:
         handle.write(data)
 
 
-def write_results(ds: xr.Dataset, path: str | os.PathLike, *, force: bool = False) -> Path:
-    """`write_dataset` for a command's output: holds `path`'s lock while writing and refuses
-    an existing file unless `force` (InputError). Returns the path."""
-    with claimed_outputs([path], force=force):
+def write_results(
+    ds: xr.Dataset, path: str | os.PathLike, *, force: bool = False, inputs: Iterable[str | os.PathLike] = ()
+) -> Path:
+    """`write_dataset` for a command's output: holds `path`'s lock while writing and applies the
+    output rule (common/outputs.py): never one of `inputs`, an existing file only with `force`
+    and only a results file depthdiag wrote (InputError). Returns the path."""
+    with claimed_outputs([path], kind=RESULTS_FILE, inputs=inputs, force=force):
         write_dataset(ds, path)
     return Path(path)
 
@@ -191,10 +220,8 @@ def open_checked(path: str | os.PathLike, what: str, validate) -> xr.Dataset:
     """The file at `path` loaded into memory (file closed), checked by `validate(ds, path)`,
     with plain Python attributes; InputError naming the file and `what` it should have been."""
     path = Path(path)
-    if not path.exists():
-        raise _fail(path, "no such file")
     if not path.is_file():
-        raise _fail(path, "not a file")
+        raise unreachable_input(path)
     try:
         with xr.open_dataset(path, engine=ENGINE) as ds:
             ds = ds.load()
@@ -203,7 +230,12 @@ def open_checked(path: str | os.PathLike, what: str, validate) -> xr.Dataset:
         raise _fail(path, f"not a readable {what} ({reason})") from None
     validate(ds, path)
     # netCDF hands attributes back as numpy scalars; plain Python values print and serialise cleanly.
-    ds.attrs = {key: value.item() if isinstance(value, np.generic) else value for key, value in ds.attrs.items()}
+    # The mark belongs to the file, not to the data: a dataset written again gets it anew.
+    ds.attrs = {
+        key: value.item() if isinstance(value, np.generic) else value
+        for key, value in ds.attrs.items()
+        if key != "written_by"
+    }
     return ds
 
 

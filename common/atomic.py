@@ -7,10 +7,11 @@ target is left as it was. Temporary names start with a dot, so globs for the rea
 files never see them.
 
 `atomic_directory` does the same for a folder of files, which appears complete or not
-at all. Only `kill -9` (or a power cut) leaves a temporary behind: `.NAME.XXXXXXXX.tmpSUFFIX`
-beside NAME (a file, or a folder for `atomic_directory`). A writer that holds the output's
-lock (common/lock.py) is the only one that can be writing NAME, so it removes such
-leftovers with `remove_stale_temporaries`.
+at all, and `atomic_outputs` for a set of files that belong together, which appears whole
+or not at all (its docstring says what can still split it). Only `kill -9` (or a power cut)
+leaves a temporary behind: `.NAME.XXXXXXXX.tmpSUFFIX` beside NAME (a file, or a folder for
+`atomic_directory`). A writer that holds the output's lock (common/lock.py) is the only one
+that can be writing NAME, so it removes such leftovers with `remove_stale_temporaries`.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 
@@ -33,14 +36,9 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
     name (matplotlib's savefig) behave as for the final name.
     """
     path = Path(path)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=_temporary_suffix(path), dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
+    tmp = _new_temporary(path)
+    tmp_name = str(tmp)
     try:
-        # mkstemp creates the file private (0600); the result should get the usual permissions.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
         try:
             yield tmp
             # The data must be on disk before the rename makes it visible under the real name.
@@ -66,11 +64,9 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
     replacement `path` is briefly absent.
     """
     path = Path(path)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=_temporary_suffix(path), dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=temporary_suffix(path), dir=path.parent))
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)
+        os.chmod(tmp, 0o777 & ~_umask())
         yield tmp
         for file in tmp.rglob("*"):
             if file.is_file() and not file.is_symlink():
@@ -78,7 +74,7 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
                     os.fsync(handle.fileno())
         if path.exists():
             # rename() replaces an empty folder only: move the old one aside first.
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=_temporary_suffix(path), dir=path.parent))
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=temporary_suffix(path), dir=path.parent))
             os.replace(path, old)
             try:
                 os.replace(tmp, path)
@@ -98,6 +94,115 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def atomic_outputs(paths: Iterable[str | os.PathLike]) -> Iterator[list[Path]]:
+    """Yield a temporary path beside each of `paths` (in their order) to write to; when the
+    block ends without an error, move them all over `paths`: a set of files that belong
+    together (an image and its PDF) appears whole or not at all. The directories must exist.
+
+    Nothing is renamed before every member is written and on disk. On any error until then,
+    Ctrl-C included, every temporary is removed and no member is replaced. SIGINT and SIGTERM that
+    arrive during the renames take effect once they are all done (`_interrupts_deferred`).
+
+    What can still split the set, leaving each file complete, the old version or the new:
+    a rename that fails part-way (say the folder was made read-only in between) leaves the
+    members before it new and the rest old, and raises; `kill -9` or a power cut during the
+    renames leaves the members renamed so far new, the rest old, and the others' temporaries
+    for the next writer holding the lock to remove (`remove_stale_temporaries`).
+    """
+    paths = [Path(path) for path in paths]
+    temporaries: list[Path] = []
+    try:
+        for path in paths:
+            temporaries.append(_new_temporary(path))
+        try:
+            yield temporaries
+        except OSError as err:
+            if err.filename is not None:
+                raise
+            # A failed write does not say which file it was writing.
+            reason = err.strerror or str(err).splitlines()[0]
+            raise OSError(err.errno, reason, ", ".join(map(str, paths))) from None
+        for path, tmp in zip(paths, temporaries):
+            try:
+                with open(tmp, "rb") as handle:
+                    os.fsync(handle.fileno())
+            except OSError as err:
+                raise OSError(err.errno, err.strerror or str(err).splitlines()[0], str(path)) from None
+        with _interrupts_deferred():
+            for path, tmp in zip(paths, temporaries):
+                os.replace(tmp, path)
+    except OSError as err:
+        named = {str(tmp): str(path) for path, tmp in zip(paths, temporaries)}
+        if err.filename is None or str(err.filename) not in named:
+            raise
+        # Name the file the user asked for, not the temporary one.
+        raise OSError(err.errno, err.strerror or str(err).splitlines()[0], named[str(err.filename)]) from None
+    finally:
+        for tmp in temporaries:
+            tmp.unlink(missing_ok=True)
+
+
+_INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM back for the block, then let each take effect as it would have.
+
+    Blocking them with `signal.pthread_sigmask` would not do: it blocks them for this thread
+    only, and the kernel then hands them to another (numpy's BLAS threads are in every
+    depthdiag process), where SIGTERM still ends the process and SIGINT still makes Python
+    raise KeyboardInterrupt here. Python runs its handlers in the main thread between
+    bytecodes, whichever thread the signal came to, so for the block each gets a handler that
+    only notes it; afterwards the old handlers are back and the noted signals raised again.
+    Handlers can be set in the main thread only: elsewhere the block runs unguarded, as does
+    a signal whose handler was set outside Python.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {}
+    for signum in _INTERRUPTS:
+        if signal.getsignal(signum) is not None:
+            previous[signum] = signal.signal(signum, lambda number, _frame: caught.append(number))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(caught):
+            signal.raise_signal(signum)
+
+
+def _new_temporary(path: Path) -> Path:
+    """A new empty file beside `path` named as a temporary of it, with the permissions a new
+    file gets (mkstemp makes it private, 0600)."""
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=temporary_suffix(path), dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        os.chmod(tmp, new_file_mode())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def new_file_mode() -> int:
+    """The mode `open` gives a new file: 0o666 less the umask. For files made by a library
+    that creates them private, to give them the permissions of every other output."""
+    return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    # The umask can only be read by setting it: set it straight back.
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
 def _remove(stale: Path) -> None:
     """Remove a leftover temporary: a file, or a folder of `atomic_directory`."""
     if stale.is_dir() and not stale.is_symlink():
@@ -106,7 +211,9 @@ def _remove(stale: Path) -> None:
         stale.unlink(missing_ok=True)
 
 
-def _temporary_suffix(path: Path) -> str:
+def temporary_suffix(path: Path) -> str:
+    """The end of a temporary's name for `path` (every temporary beside `path` is named
+    `.NAME.XXXXXXXX` + this, which is how `remove_stale_temporaries` knows it)."""
     return f".tmp{path.suffix}"
 
 
@@ -116,7 +223,7 @@ _RANDOM = r"[a-z0-9_]{8}"
 
 def _is_temporary_of(name: str, target: str) -> bool:
     """Whether the file name `name` is one of `atomic_output`'s temporaries of `target`."""
-    pattern = re.escape(f".{target}.") + _RANDOM + re.escape(_temporary_suffix(Path(target)))
+    pattern = re.escape(f".{target}.") + _RANDOM + re.escape(temporary_suffix(Path(target)))
     return re.fullmatch(pattern, name) is not None
 
 

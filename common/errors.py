@@ -3,6 +3,8 @@
 missing folder or a full disk), 3 the run failed (RunFailed)."""
 
 import contextlib
+import errno
+import os
 from collections.abc import Iterator
 
 EXIT_BUG = 1
@@ -39,3 +41,20 @@ def naming_files(files) -> Iterator[None]:
         if names and not any(name in message for name in names):
             raise InputError(f"{', '.join(names)}: {message}") from None
         raise
+
+
+def unreachable_input(path: str | os.PathLike, what: str = "file") -> InputError:
+    """The InputError for an input `path` that is not a readable `what` ("file", or "file or
+    folder"), with the real reason: a symbolic link loop, a broken link, no such path, a
+    folder where a file was expected."""
+    try:
+        os.stat(path)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return InputError(f"{path}: symbolic link loop (a link that leads back to itself)")
+        if os.path.islink(path):
+            return InputError(f"{path}: broken symbolic link (to {os.readlink(path)})")
+        return InputError(f"{path}: {f'no such {what}' if err.errno == errno.ENOENT else err.strerror}")
+    if what == "file" and os.path.isdir(path):
+        return InputError(f"{path}: is a folder, not a file")
+    return InputError(f"{path}: not a regular {what}")

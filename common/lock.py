@@ -7,9 +7,10 @@ written into the lock file only so that a refused writer can say who holds it.
 
 Taking the lock also removes the temporaries a killed writer of the output left beside it
 (`.NAME.XXXXXXXX.tmpSUFFIX`, see common/atomic.py): while we hold the lock nobody else can
-be writing them. `claimed_outputs` adds the rule for plain outputs: an existing one is
-refused unless the caller passes `force`, which overwrites it (atomically) and never
-deletes anything a live writer holds.
+be writing them. `claimed_outputs` adds the output rule of common/outputs.py under the locks.
+
+A lock belongs to the output's real path (symlinks and other spellings resolved), so every
+name for one output meets the same lock.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from pathlib import Path
 
 from common.atomic import remove_stale_temporaries
 from common.errors import InputError
+from common.outputs import OutputKind, check_outputs
 
 
 def lock_path(output: str | Path) -> Path:
-    """The lock file of an output: `.NAME.lock` beside it (inside it for a directory would
-    be deleted by --force along with the directory)."""
-    output = Path(output)
+    """The lock file of an output: `.NAME.lock` beside its real path (inside it for a directory
+    would be deleted by --force along with the directory)."""
+    output = Path(os.path.realpath(output))
     return output.parent / f".{output.name}.lock"
 
 
@@ -77,7 +79,7 @@ def exclusive_output(output: str | Path) -> Iterator[Path]:
     try:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
-        remove_stale_temporaries(output)
+        remove_stale_temporaries(os.path.realpath(output))
         yield path
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -85,27 +87,21 @@ def exclusive_output(output: str | Path) -> Iterator[Path]:
         os.close(fd)
 
 
-def refuse_existing(outputs: Iterable[str | Path], *, force: bool) -> None:
-    """Raise InputError naming the first of `outputs` that exists, unless `force`."""
-    if force:
-        return
-    for output in outputs:
-        if Path(output).exists():
-            raise InputError(f"{output}: already exists; pass --force to overwrite it")
-
-
 @contextlib.contextmanager
-def claimed_outputs(outputs: Iterable[str | Path], *, force: bool) -> Iterator[list[Path]]:
-    """Hold the locks of all `outputs` (in the order given) for the block, and refuse one
-    that already exists unless `force`; yields the paths. With `force` the block overwrites
-    them; nothing is deleted here.
+def claimed_outputs(
+    outputs: Iterable[str | Path], *, kind: OutputKind, inputs: Iterable[str | Path] = (), force: bool
+) -> Iterator[list[Path]]:
+    """Hold the locks of all `outputs` (in the order given) for the block, and apply the output
+    rule (common/outputs.py: never an input; an existing one only with `force`, and only if
+    depthdiag wrote it); yields the paths. With `force` the block overwrites them; nothing is
+    deleted here.
 
-    Check with `refuse_existing` before long work too, so that a refusal comes first; this
+    Check with `check_outputs` before long work too, so that a refusal comes first; this
     checks again under the lock.
     """
     outputs = [Path(output) for output in outputs]
     with contextlib.ExitStack() as stack:
         for output in outputs:
             stack.enter_context(exclusive_output(output))
-        refuse_existing(outputs, force=force)
+        check_outputs(outputs, kind=kind, inputs=inputs, force=force)
         yield outputs

@@ -36,20 +36,17 @@ before anything starts. Output of each cell goes to RUNS/logs/.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import math
 import multiprocessing
 import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 import time
 import tomllib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,10 +56,12 @@ from common.depths import parse_serving_depths
 from common.errors import InputError, RunFailed
 from common.lock import exclusive_output
 from common.progress import progress_bar
+from common.signals import terminate_raises
 from trainer.checkpoint import CHECKPOINT_DIR, checkpoint_name, latest_checkpoint
 from trainer.config import RunConfig, load_config
 from trainer.flops import iso_flop_updates, schedule_flops
 from trainer.schedules import parse_schedule
+from trainer.train import EVAL_CACHE
 
 SHORTHANDS = {"schedule": "train.schedule", "seed": "train.seed"}
 """Axis names (and assignment keys) that stand for a config key."""
@@ -441,7 +440,9 @@ def _train_command(spec: GridSpec, cell: Cell, runs: Path, *, resume: bool) -> l
     command = [sys.executable, "-m", "depthdiag", "train", str(spec.base), "--out", run_dir, "--no-progress"]
     for assignment in cell.overrides:
         command += ["--set", assignment]
-    return command + (["--resume", run_dir] if resume else [])
+    # A new cell's directory, if there is one, holds a start of this very cell (cell_state
+    # checked its config) that never reached a checkpoint: start it over.
+    return command + (["--resume", run_dir] if resume else ["--force"])
 
 
 def _log_path(runs: Path, name: str) -> Path:
@@ -466,7 +467,7 @@ def run_grid(
     trained, failed = [], []
     with (
         exclusive_output(runs),
-        _terminate_raises_interrupt(),
+        terminate_raises(),
         progress_bar(len(cells), "grid", "cell", initial=len(skipped), enabled=progress) as bar,
     ):
         (runs / "logs").mkdir(parents=True, exist_ok=True)
@@ -504,28 +505,7 @@ def run_grid(
     return GridRunReport(trained=tuple(name for name, _ in trained), skipped=skipped)
 
 
-@contextlib.contextmanager
-def _terminate_raises_interrupt() -> Iterator[None]:
-    """SIGTERM (a scheduler's stop, `kill`) ends the grid as Ctrl-C does: the cells in flight
-    are terminated and resume on the next `grid run`, instead of running on orphaned."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 # --- collecting -----------------------------------------------------------------------------
-
-EVAL_CACHE = "grid-eval.h5"
-"""A cell's evaluation, kept in its run directory so a later collect reuses it."""
 
 
 def _metrics(run_dir: Path) -> tuple[list[int], list[float], list[int]]:

@@ -52,9 +52,8 @@ from trainer.data import TokenSource, build_source
 from trainer.optim import OPTIMIZER_CLASSES, lr_at
 from trainer.rng import process_rng_state, seeded_generator, set_process_rng_state
 from trainer.schedules import parse_schedule
-from trainer.train import TrainSummary, train
+from trainer.train import MONITOR_FILE, TrainSummary, train
 
-MONITOR_FILE = "monitor.h5"
 MONITOR_SALT = 0x30A1_70C4
 """Third word of the monitor's batch seeds: keeps them apart from every training stream."""
 
@@ -245,9 +244,9 @@ class UpdateMonitor:
 
 
 def train_with_monitor(
-    config: RunConfig, run_dir: str | Path, *, resume: bool = False, progress: bool = True
+    config: RunConfig, run_dir: str | Path, *, resume: bool = False, force: bool = False, progress: bool = True
 ) -> TrainSummary:
     """`trainer.train.train` with an `UpdateMonitor` when config.monitor is on (what `depthdiag
     train` runs)."""
     monitor = UpdateMonitor(config, run_dir) if config.monitor.enabled else None
-    return train(config, run_dir, resume=resume, progress=progress, monitor=monitor)
+    return train(config, run_dir, resume=resume, force=force, progress=progress, monitor=monitor)

@@ -20,6 +20,7 @@ from analysis.monitor import open_monitor
 from analysis.recommend import FinishLength, SwitchPlan, describe_finish, finish_length, format_checks, switch_plan
 from analysis.stats import IntervalOptions
 from common.errors import InputError
+from common.outputs import GRID_SPEC_HEADER
 from trainer.config import RunConfig
 from trainer.flops import UNIFORM_REFERENCE, flops_report
 from trainer.schedules import FixedFirstSchedule, parse_schedule
@@ -185,7 +186,7 @@ def comparison_grid(rec: Recommendation, *, base: Path, out: Path, seeds: tuple[
     relative = Path(os.path.relpath(Path(base).resolve(), Path(out).resolve().parent))
     return "\n".join(
         [
-            f"# Written by depthdiag recommend from {rec.monitor}:",
+            f"{GRID_SPEC_HEADER} from {rec.monitor}:",
             f"# F = {rec.finish.finish_updates} uniform updates, F' = {rec.plan.planned_finish_updates} with the "
             f"margin {rec.plan.margin:g}. The recommended schedule",
             "# against the paper's 80% switch and uniform:1-16 over the same updates, for every seed.",

@@ -6,7 +6,9 @@ Each finished unit is written atomically as its own small file in
 the parts directory is removed. A manifest in the parts directory records the
 settings and the snapshots' sha256, so `--resume` continues only the same
 run, skipping every unit already on disk: a killed run loses at most the unit
-in flight and, resumed, ends with the same file as an uninterrupted run.
+in flight and, resumed, ends with the same file as an uninterrupted run. A
+resume may drop or replace a snapshot none of whose units is on disk; one with
+finished units must come back as the same file.
 
 The run holds the lock of OUT (common/lock.py) from before it touches anything until it
 ends; the lock covers OUT.parts/ too, so a second run on the same OUT, `--force`
@@ -15,7 +17,10 @@ every finished unit file before computing: a damaged one is deleted and computed
 (with a warning naming it), and a complete OUT whose parts directory survived (a kill
 during the final cleanup) is recognised as complete. A unit with a non-finite NLL,
 training loss or update RMS (a diverged snapshot) stops the run as bad input, naming the
-snapshot file and the batch, and leaves no parts behind.
+snapshot file and the batch; that snapshot's finished units are deleted, every other
+snapshot's are kept for a `--resume` without the file or with a replacement (with none
+kept, the parts directory goes). Parts are deleted otherwise only by `--force` and once
+OUT is complete.
 
 Ordinary checkpoints (no `batches`) are accepted: their batches are the next
 ones the run itself would have drawn, `build_source(cfg.data).batch(cfg.train.seed,
@@ -41,13 +46,14 @@ import numpy as np
 import torch
 import xarray as xr
 
-from analysis.store import describe_results, write_dataset
+from analysis.store import RESULTS_FILE, describe_results, write_dataset
 from common.atomic import atomic_output, remove_stale_temporaries_in
 from common.benefit import benefit_description
 from common.choices import DEVICE_CHOICES, EVAL_SET_CHOICES
 from common.depths import MAX_SERVING_DEPTH, SERVING_DEPTHS, UPDATE_DEPTHS
 from common.errors import InputError
 from common.lock import exclusive_output
+from common.outputs import refuse_inputs, refuse_unrecognized
 from common.progress import progress_bar
 from common.provenance import provenance
 from diag.adapter import AdaptedModel, adapter_config_json, load_adapter
@@ -293,8 +299,12 @@ def _manifest(config: DiagnoseConfig, entries: list[_Entry], device: torch.devic
     }
 
 
-def _part_path(parts: Path, entry: _Entry, batch: int) -> Path:
-    return parts / f"{entry.name}.b{batch:05d}.h5"
+def _part_path(parts: Path, name: str, batch: int) -> Path:
+    return parts / f"{name}.b{batch:05d}.h5"
+
+
+def _finished_units(parts: Path, name: str, batches: int) -> list[Path]:
+    return [path for path in (_part_path(parts, name, b) for b in range(batches)) if path.exists()]
 
 
 def _write_json(value: dict, path: Path) -> None:
@@ -326,11 +336,11 @@ def _prepare(config: DiagnoseConfig, entries: list[_Entry], manifest: dict, out:
                 stored = json.loads((parts / MANIFEST).read_text(encoding="utf-8"))
             except (OSError, json.JSONDecodeError):
                 raise InputError(f"{parts}: no readable {MANIFEST}; pass --force to start over") from None
+            problem = _resume_problem(stored, manifest, parts)
+            if problem is not None:
+                raise InputError(f"{parts}: {problem}; rerun it with those or pass --force to start over")
             if stored != manifest:
-                raise InputError(
-                    f"{parts}: the unfinished run used other settings or snapshot files; "
-                    "rerun it with those or pass --force to start over"
-                )
+                _write_json(manifest, parts / MANIFEST)
             remove_stale_temporaries_in(parts)
             damaged = _remove_damaged_parts(config, entries, parts)
             if damaged:
@@ -347,6 +357,28 @@ def _prepare(config: DiagnoseConfig, entries: list[_Entry], manifest: dict, out:
     parts.mkdir()
     _write_json(manifest, parts / MANIFEST)
     return True
+
+
+def _resume_problem(stored: object, manifest: dict, parts: Path) -> str | None:
+    """Why this run (`manifest`) cannot continue the unfinished one of `parts` (`stored`), None
+    when it can. The settings and device are the same; every snapshot with finished units
+    is again one of the run's, the same file with the same batches. A snapshot without any
+    (the one a non-finite unit stopped) may be left out or replaced: nothing of it is lost."""
+    if not isinstance(stored, dict) or not isinstance(stored.get("snapshots"), list):
+        return f"no readable {MANIFEST}"
+    if {k: v for k, v in stored.items() if k != "snapshots"} != {k: v for k, v in manifest.items() if k != "snapshots"}:
+        return "the unfinished run used other settings"
+    for record in stored["snapshots"]:
+        try:
+            finished = _finished_units(parts, record["name"], record["batches"])
+        except (KeyError, TypeError):
+            return f"no readable {MANIFEST}"
+        if finished and record not in manifest["snapshots"]:
+            return (
+                f"the unfinished run has {len(finished)} finished unit(s) of {record['name']!r}, "
+                "which this run does not diagnose as the same file with the same batches"
+            )
+    return None
 
 
 def _part_problem(config: DiagnoseConfig, entry: _Entry, batch: int, path: Path) -> str | None:
@@ -376,7 +408,7 @@ def _remove_damaged_parts(config: DiagnoseConfig, entries: list[_Entry], parts: 
     damaged = []
     for entry in entries:
         for batch in range(entry.batches):
-            path = _part_path(parts, entry, batch)
+            path = _part_path(parts, entry.name, batch)
             if path.exists() and _part_problem(config, entry, batch, path) is not None:
                 path.unlink()
                 damaged.append(path)
@@ -438,7 +470,7 @@ def _open(
 
 
 def _run_units(config: DiagnoseConfig, entries: list[_Entry], parts: Path, device: torch.device) -> None:
-    todo = {e.name: [i for i in range(e.batches) if not _part_path(parts, e, i).exists()] for e in entries}
+    todo = {e.name: [i for i in range(e.batches) if not _part_path(parts, e.name, i).exists()] for e in entries}
     total = sum(e.batches for e in entries)
     done = total - sum(len(v) for v in todo.values())
     with progress_bar(total, f"diagnose {config.out}", "unit", initial=done, enabled=config.progress) as bar:
@@ -454,15 +486,31 @@ def _run_units(config: DiagnoseConfig, entries: list[_Entry], parts: Path, devic
                 unit = diagnostic.compare(batch)
                 problem = _non_finite(unit)
                 if problem is not None:
-                    # The parts are of a run that cannot finish: none of them is worth keeping.
-                    shutil.rmtree(parts)
-                    raise InputError(
-                        f"{entry.path}: batch {i}: non-finite {problem}; the snapshot's model has diverged "
-                        "or its update overflows, so it cannot be diagnosed (nothing written)"
-                    )
-                write_dataset(unit.expand_dims(snapshot=[entry.name], batch=[i]), _part_path(parts, entry, i))
+                    raise _diverged(entries, entry, i, problem, parts)
+                write_dataset(unit.expand_dims(snapshot=[entry.name], batch=[i]), _part_path(parts, entry.name, i))
                 bar.update(1)
             del diagnostic, optimizer, batches
+
+
+def _diverged(entries: list[_Entry], entry: _Entry, batch: int, problem: str, parts: Path) -> InputError:
+    """The error that stops the run at `entry`'s non-finite unit `batch`. The entry's finished
+    units are deleted: they can never be assembled, as the same file fails again at this batch
+    and a replacement is another file. Every other snapshot's finished units are the user's
+    work, kept for a resume without the file or with a new one."""
+    for path in _finished_units(parts, entry.name, entry.batches):
+        path.unlink()
+    kept = sum(len(_finished_units(parts, e.name, e.batches)) for e in entries if e is not entry)
+    what = (
+        f"{entry.path}: batch {batch}: non-finite {problem}; the snapshot's model has diverged "
+        "or its update overflows, so it cannot be diagnosed"
+    )
+    if not kept:
+        shutil.rmtree(parts)
+        return InputError(f"{what} (nothing written)")
+    return InputError(
+        f"{what}; the {kept} finished unit(s) of the other snapshots are kept in {parts}: "
+        f"remove or replace {entry.path} and rerun with --resume"
+    )
 
 
 def _evaluation_set(config: DiagnoseConfig, snap: Snapshot) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -484,7 +532,7 @@ def _assemble(config: DiagnoseConfig, entries: list[_Entry], manifest: dict, par
     nll_before = None
     for s, entry in enumerate(entries):
         for b in range(entry.batches):
-            with xr.open_dataset(_part_path(parts, entry, b), engine="h5netcdf") as unit:
+            with xr.open_dataset(_part_path(parts, entry.name, b), engine="h5netcdf") as unit:
                 unit = unit.load().isel(snapshot=0, batch=0)
             if nll_before is None:
                 nll_before = np.full((len(entries), unit.sizes["serving_depth"]), np.nan)
@@ -554,12 +602,17 @@ def diagnose(config: DiagnoseConfig) -> Path:
     """Run every unit of `config` and write the results file; returns its path."""
     out = Path(config.out)
     parts = out.with_name(out.name + ".parts")
+    refuse_inputs(out, config.snapshots)
     entries = _entries(config)
     config = replace(config, eval_set=entries[0].eval_set)
     device = _device(config, entries)
     manifest = _manifest(config, entries, device)
     # Taken before anything on disk is looked at or deleted, held to the end.
     with exclusive_output(out):
+        if config.force or config.resume:
+            # What --force replaces or --resume keeps must be a results file; without either
+            # flag `_prepare` refuses an existing OUT.
+            refuse_unrecognized(out, kind=RESULTS_FILE)
         if not _prepare(config, entries, manifest, out, parts):
             return out
         _run_units(config, entries, parts, device)

@@ -1,5 +1,9 @@
 """depthdiag/cli/app.py, what every command shares: exit codes and one-line errors (docs/cli.md)."""
 
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -8,10 +12,11 @@ from helpers import TOY_CONFIG, start_holder
 
 from common.errors import InputError
 from depthdiag.cli import main
+from trainer.checkpoint import latest_checkpoint
 
 
 def run(*args):
-    result = CliRunner().invoke(main, list(args))
+    result = CliRunner().invoke(main, list(args), prog_name="depthdiag")
     return result.exit_code, result.stdout, result.stderr
 
 
@@ -105,3 +110,64 @@ def test_eval_out_takes_the_lock_and_refuses_an_existing_file_unless_forced(toy_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.h5"]
     result = runner.invoke(main, ["eval", str(snapshot), "--serving", "1-65", "--no-progress"])
     assert result.exit_code == 2 and "--max-depth" in result.stderr
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_an_interrupt_exits_130_or_143_with_one_line_keeping_the_checkpoints(tmp_path, signum, code):
+    config = tmp_path / "long.toml"
+    long = TOY_CONFIG.replace("updates = 40", "updates = 100000").replace(
+        "checkpoint_every = 0", "checkpoint_every = 5"
+    )
+    config.write_text(long)
+    run_dir = tmp_path / "run"
+    # SIGINT back to its default in the child: a shell without job control starts background
+    # commands with it ignored, and Python then never raises KeyboardInterrupt.
+    process = subprocess.Popen(
+        [sys.executable, "-m", "depthdiag", "train", str(config), "--out", str(run_dir), "--no-progress"],
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "checkpoints" / "latest").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        process.send_signal(signum)
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == code, err
+    name = "SIGINT" if signum == signal.SIGINT else "SIGTERM"
+    newest = latest_checkpoint(run_dir)
+    assert err.splitlines() == [
+        f"depthdiag: interrupted ({name}): {run_dir} keeps its checkpoints, the newest {newest.name}; "
+        f"resume with: depthdiag train {config} --resume {run_dir}"
+    ]
+    leftovers = [p for p in tmp_path.rglob("*") if p.name.startswith(".")]
+    assert leftovers == []  # no temporaries, no lock file
+
+
+@pytest.mark.parametrize(
+    "args, problem",
+    [
+        (["train", "--bogus"], "depthdiag train: No such option '--bogus'"),
+        (["diagnose", "a.pt"], "depthdiag diagnose: Missing option '--out'"),
+        (["summarize", "--level", "x", "r.h5"], "depthdiag summarize: Invalid value for '--level'"),
+        (["no-such-command"], "depthdiag: No such command 'no-such-command'"),
+        (["grid", "run"], "depthdiag grid run: Missing argument 'GRID'"),
+    ],
+)
+def test_a_usage_error_is_one_line_and_exit_2(args, problem):
+    code, out, err = run(*args)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith(f"depthdiag: error: {problem}") and "--help)" in err
+
+
+@pytest.mark.parametrize("command", ["eval", "diagnose", "summarize", "export"])
+def test_a_symbolic_link_loop_is_named_as_one_not_as_a_missing_file(tmp_path, command):
+    loop = tmp_path / "a.pt"
+    loop.symlink_to(tmp_path / "b.pt")
+    (tmp_path / "b.pt").symlink_to(loop)
+    extra = {"diagnose": ["--out", str(tmp_path / "r.h5")], "export": ["--out", str(tmp_path / "x")]}
+    code, out, err = run(command, str(loop), *extra.get(command, []))
+    assert code == 2 and err == f"depthdiag: error: {loop}: symbolic link loop (a link that leads back to itself)\n"

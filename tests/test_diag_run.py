@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from helpers import BATCH, CARRIED, SEQ, SERVING, UPDATE_DEPTHS, run_config, write_run
 
 import diag
-from analysis.store import open_results
+from analysis.store import open_results, write_dataset
 from common.depths import parse_update_depths
 from common.errors import InputError
 from depthdiag.cli import main
@@ -292,7 +292,8 @@ def test_a_live_runs_output_and_parts_are_never_touched_by_a_second_run(run, tmp
     parts.mkdir()
     (parts / "manifest.json").write_text("{}")
     (parts / "snap-u00.b00000.h5").write_bytes(b"a finished unit")
-    out.write_bytes(b"a finished file")
+    write_dataset(xr.Dataset(attrs={"note": "a finished file"}), out)
+    finished = out.read_bytes()
     before = listing(parts)
     holder = start_holder(out)  # a diagnose on OUT in another process, as far as the lock goes
     try:
@@ -303,7 +304,7 @@ def test_a_live_runs_output_and_parts_are_never_touched_by_a_second_run(run, tmp
                 f"depthdiag: error: {out}: in use by another depthdiag process (pid {holder.pid}); "
                 "wait for it to finish or stop it"
             ]
-            assert listing(parts) == before and out.read_bytes() == b"a finished file"
+            assert listing(parts) == before and out.read_bytes() == finished
     finally:
         holder.kill()
         holder.wait()
@@ -427,6 +428,75 @@ def test_a_non_finite_unit_stops_the_run_naming_the_snapshot_and_batch(run, tmp_
     assert not out.exists() and not parts.exists() and list(tmp_path.iterdir()) == []
     # Nothing is in the way of the next run, without --force.
     assert cli(run[2], "--out", out, "--batches", 3, *SMALL).exit_code == 0
+
+
+def test_a_non_finite_unit_keeps_the_other_snapshots_finished_units_for_the_resume(run, tmp_path, monkeypatch):
+    bad = tmp_path / "snap-u02.pt"
+    bad.write_bytes(run[4].read_bytes())
+    args = [run[2], bad, "--batches", 2, *SMALL]
+    out, parts = tmp_path / "r.h5", tmp_path / "r.h5.parts"
+    calls = []
+    compare = diag.UpdateDiagnostic.compare
+
+    def crash_after_one(self, batch):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return compare(self, batch)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(diag.UpdateDiagnostic, "compare", crash_after_one)
+        assert cli(*args, "--out", out).exit_code != 0
+    assert [p.name for p in finished_parts(parts)] == ["snap-u00.b00000.h5"]
+
+    # The resumed session finishes snap-u00, then snap-u02 diverges at its second batch.
+    computed = []
+
+    def diverged_at_the_second_of_snap_u02(self, batch):
+        unit = compare(self, batch)
+        computed.append(1)
+        if len(computed) == 3:
+            unit["update_rms"][...] = np.inf
+        return unit
+
+    with monkeypatch.context() as patch:
+        patch.setattr(diag.UpdateDiagnostic, "compare", diverged_at_the_second_of_snap_u02)
+        result = cli(*args, "--out", out, "--resume")
+    assert result.exit_code == 2, result.output
+    (line,) = [line for line in result.stderr.splitlines() if not line.startswith("warning:")]
+    assert line == (
+        f"depthdiag: error: {bad}: batch 1: non-finite update RMS (inf); the snapshot's model has diverged or its "
+        f"update overflows, so it cannot be diagnosed; the 2 finished unit(s) of the other snapshots are kept in "
+        f"{parts}: remove or replace {bad} and rerun with --resume"
+    )
+    assert sorted(p.name for p in finished_parts(parts)) == ["snap-u00.b00000.h5", "snap-u00.b00001.h5"]
+    assert not out.exists()
+
+    # A replacement under the same name is another file: only its units are computed.
+    payload = torch.load(run[4], weights_only=True)
+    payload["lr"] = 6e-3
+    torch.save(payload, bad)
+    computed.clear()
+    with monkeypatch.context() as patch:
+        patch.setattr(diag.UpdateDiagnostic, "compare", lambda self, batch: computed.append(1) or compare(self, batch))
+        result = cli(*args, "--out", out, "--resume")
+    assert result.exit_code == 0, result.output
+    assert len(computed) == 2 and not parts.exists()
+    full = tmp_path / "full.h5"
+    assert cli(*args, "--out", full).exit_code == 0
+    xr.testing.assert_identical(comparable(out), comparable(full))
+
+
+def test_a_resume_that_would_drop_finished_units_is_refused_and_deletes_nothing(run, tmp_path, monkeypatch):
+    out, parts = tmp_path / "r.h5", tmp_path / "r.h5.parts"
+    interrupted_run(run, out, monkeypatch, finished=2)
+    before = listing(parts)
+    for other in ([run[4], "--batches", 4, *SMALL], [run[2], "--batches", 3, *SMALL], [run[2], "--batches", 4]):
+        result = cli(*other, "--out", out, "--resume")
+        assert result.exit_code == 2, result.output
+        (line,) = result.stderr.strip().splitlines()
+        assert str(parts) in line and "--force" in line
+        assert listing(parts) == before
 
 
 def test_the_bias_correction_warning_is_shown_once_per_snapshot(run, tmp_path):

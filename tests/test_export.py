@@ -1,8 +1,13 @@
 """`depthdiag export`: the model as model.safetensors + config.json, loaded back by the
 lines of plain PyTorch in docs/api.md to the same logits, bit for bit."""
 
+import errno
 import json
+import os
 import re
+import resource
+import signal
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -172,3 +177,60 @@ def test_a_folder_appears_complete_or_not_at_all(tmp_path):
     assert len(list(tmp_path.iterdir())) == 2
     with exclusive_output(out):
         assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == ["out"]
+
+
+def limit_file_size(limit: int):
+    """A preexec_fn: files of the child grow to `limit` bytes at most, and a write past it
+    fails with EFBIG rather than killing the child with SIGXFSZ."""
+
+    def apply():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+def test_a_file_size_limit_is_one_line_naming_the_file_and_leaves_nothing(tmp_path):
+    source = write(tmp_path / "a.pt", "checkpoint")
+    out = tmp_path / "out"
+    # Room for the lock file's pid, not for the weights (tens of kilobytes).
+    export = subprocess.run(
+        [sys.executable, "-m", "depthdiag", "export", str(source), "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        preexec_fn=limit_file_size(4096),
+    )
+    assert export.returncode == 2, export.stderr
+    assert export.stderr == f"depthdiag: error: {out / 'model.safetensors'}: {os.strerror(errno.EFBIG)}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt"]
+
+
+def test_a_full_disk_writing_the_config_is_one_line_naming_it(tmp_path, monkeypatch):
+    source = write(tmp_path / "a.pt", "checkpoint")
+    out = tmp_path / "out"
+    real_write_text = Path.write_text
+
+    def disk_full_for_the_config(self, *args, **kwargs):
+        if self.name == "config.json":
+            # As a failed write raises it: with no file name.
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", disk_full_for_the_config)
+    code, stdout, err = cli(source, "--out", out)
+    assert (code, stdout) == (2, "")
+    assert err == f"depthdiag: error: {out / 'config.json'}: {os.strerror(errno.ENOSPC)}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt"]
+
+
+def test_the_weights_get_the_permissions_of_every_other_output(tmp_path):
+    source = write(tmp_path / "a.pt", "checkpoint")
+    before = os.umask(0o027)
+    try:
+        out = export_checkpoint(source, tmp_path / "out")
+    finally:
+        os.umask(before)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert modes == {"model.safetensors": 0o640, "config.json": 0o640}
+    assert stat.S_IMODE(out.stat().st_mode) == 0o750

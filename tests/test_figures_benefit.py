@@ -1,7 +1,14 @@
 """analysis/figures/benefit.py: Figure 4 draws the stored intervals; and the summarize and plot
 commands on results files (analysis/summary.py, depthdiag/cli/results.py)."""
 
+import errno
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import matplotlib
 
@@ -20,6 +27,7 @@ from analysis.stats import batch_noise, benefit_by_depth, depth_averaged_benefit
 from analysis.store import open_results, write_dataset  # noqa: E402
 from depthdiag.cli import main  # noqa: E402
 
+ROOT = Path(__file__).resolve().parent.parent
 UNIFORM_UPDATES = (0, 16, 64, 256)
 
 
@@ -242,6 +250,82 @@ def test_unknown_image_format_is_refused_before_writing(tmp_path, name):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_figure_whose_pdf_fails_leaves_neither_file_nor_replaces_one(tmp_path, monkeypatch):
+    fig = figure4(results())
+    out = tmp_path / "figure4.png"
+    real_savefig = Figure.savefig
+
+    def disk_full_for_the_pdf(self, fname, *args, **kwargs):
+        if kwargs.get("format") == "pdf":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_savefig(self, fname, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", disk_full_for_the_pdf)
+    with pytest.raises(OSError, match=re.escape(str(out.with_suffix(".pdf")))):
+        save_figure(fig, out, dpi=40)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(Figure, "savefig", real_savefig)
+    save_figure(fig, out, dpi=20)
+    old = out.read_bytes(), out.with_suffix(".pdf").read_bytes()
+    monkeypatch.setattr(Figure, "savefig", disk_full_for_the_pdf)
+    with pytest.raises(OSError):
+        save_figure(fig, out, dpi=40, force=True)
+    assert (out.read_bytes(), out.with_suffix(".pdf").read_bytes()) == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["figure4.pdf", "figure4.png"]
+
+
+INTERRUPTED_SAVE = """
+import os, sys, threading
+import matplotlib
+matplotlib.use("Agg")
+from matplotlib.figure import Figure
+from analysis.figures import save_figure
+
+# Like numpy's BLAS threads, a thread that blocks no signal, to which the kernel may hand one.
+threading.Thread(target=threading.Event().wait, daemon=True).start()
+real_replace = os.replace
+
+def replace_then_signal(src, dst):
+    real_replace(src, dst)
+    os.kill(os.getpid(), int(sys.argv[2]))
+
+os.replace = replace_then_signal
+fig = Figure()
+fig.add_subplot().plot([0, 1])
+save_figure(fig, sys.argv[1], dpi=20)
+print("not interrupted")
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_the_renames_cannot_split_the_figure(tmp_path, signum):
+    out = tmp_path / "figure.png"
+    saved = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED_SAVE, str(out), str(int(signum))], cwd=ROOT, capture_output=True, text=True
+    )
+    # The signal takes effect, once both files are in place.
+    assert saved.returncode == -signum and "not interrupted" not in saved.stdout, saved.stderr
+    assert out.read_bytes()[:4] == b"\x89PNG" and out.with_suffix(".pdf").read_bytes()[:5] == b"%PDF-"
+    assert [p.name for p in tmp_path.iterdir() if ".tmp" in p.name] == []
+
+
+def test_a_figure_found_in_part_is_refused_naming_the_missing_file(tmp_path):
+    fig = figure4(results())
+    out = tmp_path / "figure4.png"
+    for present, missing in ((out, out.with_suffix(".pdf")), (out.with_suffix(".pdf"), out)):
+        save_figure(fig, out, dpi=20)
+        missing.unlink()  # as an interrupted write of an older version could leave it
+        left = present.read_bytes()
+        with pytest.raises(ValueError, match=rf"{re.escape(str(present))}: already exists without {missing.name} "):
+            save_figure(fig, out, dpi=40, force=False)
+        assert present.read_bytes() == left and not missing.exists()
+        present.unlink()
+    save_figure(fig, out, dpi=20)
+    out.with_suffix(".pdf").unlink()
+    save_figure(fig, out, dpi=40, force=True)
+    assert out.read_bytes()[:4] == b"\x89PNG" and out.with_suffix(".pdf").read_bytes()[:5] == b"%PDF-"
+
+
 def test_plot_command_writes_png_and_pdf(tmp_path):
     paths = [tmp_path / f"seed{seed}.h5" for seed in (0, 1)]
     for seed, path in enumerate(paths):
@@ -309,14 +393,22 @@ def test_plot_refuses_an_existing_image_or_pdf_unless_forced_and_a_held_one(tmp_
     def plot(*flags):
         return runner.invoke(main, ["plot", str(path), "--out", str(out), *flags])
 
-    pdf.write_bytes(b"an older figure")
+    assert plot().exit_code == 0
+    out.unlink()  # as an interrupted write of an older version could leave it
+    older = pdf.read_bytes()
     result = plot()
     assert result.exit_code == 2
     assert result.stderr.strip().splitlines() == [
-        f"depthdiag: error: {pdf}: already exists; pass --force to overwrite it"
+        f"depthdiag: error: {pdf}: already exists without figure4.png (an interrupted earlier write?); "
+        "pass --force to overwrite it and write the whole figure"
     ]
-    assert pdf.read_bytes() == b"an older figure" and not out.exists()
-    assert plot("--force").exit_code == 0 and pdf.read_bytes()[:5] == b"%PDF-"
+    assert pdf.read_bytes() == older and not out.exists()
+    assert plot("--force").exit_code == 0 and out.read_bytes()[:4] == b"\x89PNG"
+    pdf.write_bytes(b"%PDF- a figure depthdiag did not draw")
+    result = plot("--force")
+    assert result.exit_code == 2 and f"{pdf}: exists and is not a figure depthdiag wrote; --force" in result.stderr
+    assert pdf.read_bytes() == b"%PDF- a figure depthdiag did not draw"
+    pdf.write_bytes(older)
     assert plot().exit_code == 2  # now the image exists too
     holder = start_holder(pdf)
     try:

@@ -88,20 +88,48 @@ def test_stale_temporaries_in_a_directory_only_atomic_outputs(tmp_path):
 
 def test_claimed_outputs_refuse_an_existing_output_unless_forced_and_a_held_one_always(tmp_path):
     from common.lock import claimed_outputs
+    from common.outputs import OutputKind
 
+    note = OutputKind("note", lambda path: path.read_text() == "old")
     image, pdf = tmp_path / "f.png", tmp_path / "f.pdf"
     pdf.write_text("old")
     with pytest.raises(InputError, match=f"{pdf}: already exists; pass --force"):
-        with claimed_outputs([image, pdf], force=False):
+        with claimed_outputs([image, pdf], kind=note, force=False):
             pass
-    with claimed_outputs([image, pdf], force=True) as paths:
+    with claimed_outputs([image, pdf], kind=note, force=True) as paths:
         assert paths == [image, pdf] and pdf.read_text() == "old"  # --force overwrites, never deletes
     holder = start_holder(pdf)
     try:
         with pytest.raises(InputError, match=f"pid {holder.pid}"):
-            with claimed_outputs([image, pdf], force=True):
+            with claimed_outputs([image, pdf], kind=note, force=True):
                 pass
         assert not lock_path(image).exists()  # the lock taken first is let go again
     finally:
         holder.kill()
         holder.wait()
+
+
+@pytest.mark.parametrize("spelling", ["symlinked folder", "symlinked file", "dotted path"])
+def test_another_name_for_a_held_output_meets_the_same_lock(tmp_path, spelling):
+    real = tmp_path / "real"
+    real.mkdir()
+    output = real / "out.h5"
+    output.write_text("results")
+    if spelling == "symlinked folder":
+        (tmp_path / "link").symlink_to(real)
+        other = tmp_path / "link" / "out.h5"
+    elif spelling == "symlinked file":
+        other = tmp_path / "alias.h5"
+        other.symlink_to(output)
+    else:
+        other = real / ".." / "real" / "." / "out.h5"
+    holder = start_holder(output)
+    try:
+        with pytest.raises(InputError, match=f"pid {holder.pid}"):
+            with exclusive_output(other):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with exclusive_output(other) as lock:
+        assert lock == lock_path(output)

@@ -4,6 +4,7 @@ files; the split and the corpus checksum are recomputed from their definitions."
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -318,10 +319,18 @@ def test_an_existing_output_is_refused_without_force(corpus, tmp_path):
         ("small vocab", ["{tmp}/corpus", "--vocab-size", "100"], "--vocab-size 100: must be in [257"),
         ("no tokenizer", ["{tmp}/corpus", "--tokenizer", "{tmp}/t.json"], "{tmp}/t.json: no such tokenizer file"),
         ("bad tokenizer", ["{tmp}/corpus", "--tokenizer", "{tmp}/bad.jsonl"], "bad.jsonl: not a tokenizers tokenizer"),
-        ("tiny val", ["{tmp}/corpus", "--vocab-size", "300", "--val-fraction", "1e-9"], "0 documents fell in the val"),
+        ("one line", ["{tmp}/line.txt", "--vocab-size", "300"], "{tmp}/line.txt: too little text to split"),
+        ("zero val", ["{tmp}/corpus", "--vocab-size", "300", "--val-fraction", "0"], "--val-fraction 0.0: must be"),
+        ("all val", ["{tmp}/corpus", "--vocab-size", "300", "--val-fraction", "1"], "--val-fraction 1.0: must be"),
+        ("nan val", ["{tmp}/corpus", "--vocab-size", "300", "--val-fraction", "nan"], "--val-fraction nan: must be"),
+        ("loop", ["{tmp}/loop", "--vocab-size", "300"], "{tmp}/loop: symbolic link loop"),
+        ("broken link", ["{tmp}/broken", "--vocab-size", "300"], "{tmp}/broken: broken symbolic link (to nowhere)"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(corpus, tmp_path, case, args, message):
+    (tmp_path / "line.txt").write_text("one line cannot be cut in two\n", encoding="utf-8")
+    (tmp_path / "loop").symlink_to("loop")
+    (tmp_path / "broken").symlink_to("nowhere")
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"txt": "typo"}\n', encoding="utf-8")
     (tmp_path / "broken.jsonl").write_text('{"text": \n', encoding="utf-8")
     (tmp_path / "latin1.txt").write_bytes("fine\ncaf\xe9\n".encode("latin-1"))
@@ -331,6 +340,127 @@ def test_bad_input_is_one_line_and_exit_2(corpus, tmp_path, case, args, message)
     assert stdout == "" and stderr.count("\n") == 1 and "Traceback" not in stderr
     assert message.format(tmp=tmp_path) in stderr
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def piece_hash(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big")
+
+
+def cut(text: str, size: int = 1000) -> list[str]:
+    """A document cut at line ends into pieces of at most `size` characters (PIECE_RULE)."""
+    pieces, piece = [], []
+    for line in text.split("\n"):
+        if piece and len("\n".join([*piece, line])) > size:
+            pieces.append("\n".join(piece))
+            piece = []
+        piece.append(line)
+    return [p for p in [*pieces, "\n".join(piece)] if p]
+
+
+@pytest.mark.parametrize("document", ["paragraph", "file"])
+def test_a_book_too_small_for_the_document_split_is_split_by_pieces(tmp_path, document):
+    rng = random.Random(4)
+    paragraphs = ["\n".join(sentence(rng, 10) for _ in range(rng.randint(3, 8))) for _ in range(30)]
+    (tmp_path / "book.txt").write_text("\n\n".join(paragraphs) + "\n", encoding="utf-8")
+    documents = paragraphs if document == "paragraph" else ["\n\n".join(paragraphs)]
+    assert not [d for d in documents if in_val(d, 0.01)]  # the document split leaves val empty
+    pieces = [piece for d in documents for piece in cut(d)]
+    taken, val_hashes = 0, set()
+    for h, size in sorted((piece_hash(p), len(p)) for p in pieces):
+        val_hashes.add(h)
+        taken += size
+        if taken >= 0.01 * sum(map(len, pieces)):
+            break
+    runs = []
+    for out in (tmp_path / "first", tmp_path / "second"):
+        args = [str(tmp_path / "book.txt"), "--out", str(out), "--vocab-size", "300", "--document", document]
+        code, stdout, stderr = invoke(*args)
+        assert code == 0, stderr
+        runs.append({p.name: p.read_bytes() for p in out.iterdir()})
+    assert runs[0] == runs[1]
+    assert stdout.splitlines()[1] == (
+        f"split: no document of {len(documents)} fell in val at val_fraction 0.01, so they were cut at line ends "
+        f"into {len(pieces)} pieces of at most 1,000 characters, split by their hashes (the documents counted "
+        "above are these pieces; meta.json's split has the rule)"
+    )
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["split"]["unit"] == "piece" and meta["split"]["fallback"]["pieces"] == len(pieces)
+    assert split_documents(out, "val") == [p for p in pieces if piece_hash(p) in val_hashes]
+    assert split_documents(out, "train") == [p for p in pieces if piece_hash(p) not in val_hashes]
+    assert meta["documents"] == {"train": len(pieces) - len(val_hashes), "val": len(val_hashes)}
+
+
+def run_limited(*args: str, max_file_bytes: int) -> subprocess.CompletedProcess:
+    """`depthdiag prepare ARGS` in a subprocess whose files may not grow past `max_file_bytes`."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
+
+    command = [sys.executable, "-m", "depthdiag", "prepare", *args, "--no-progress"]
+    return subprocess.run(command, cwd=ROOT, preexec_fn=limit, capture_output=True, text=True)
+
+
+def test_a_full_disk_names_the_output_file_and_the_reason(tmp_path):
+    rng = random.Random(0)
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n\n".join(paragraph(rng) for _ in range(2000)), encoding="utf-8")
+    args = [str(text), "--vocab-size", "300"]
+    code, _, stderr = invoke(*args, "--out", str(tmp_path / "whole"))
+    assert code == 0, stderr
+    sizes = {p.name: p.stat().st_size for p in (tmp_path / "whole").iterdir()}
+    # tokenizer.json is written first, then the token files.
+    for name, limit in [("tokenizer.json", 100), ("train.bin", sizes["tokenizer.json"])]:
+        assert sizes[name] > limit
+        out = tmp_path / "data"
+        result = run_limited(*args, "--out", str(out), max_file_bytes=limit)
+        assert result.returncode == 2, result.stderr
+        assert result.stdout == "" and result.stderr == f"depthdiag: error: {out / name}: File too large\n"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "whole"]
+
+
+def test_a_write_error_names_the_token_file(corpus, tmp_path, monkeypatch):
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    out = tmp_path / "data"
+    code, stdout, stderr = invoke(str(corpus[0]), "--out", str(out), "--vocab-size", "300", "--val-fraction", "0.25")
+    assert code == 2 and stdout == ""
+    assert stderr == f"depthdiag: error: {out / 'train.bin'}: No space left on device\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
+
+
+def test_symbolic_links_below_a_folder_are_followed_and_a_loop_refused(corpus, tmp_path):
+    root, documents, names = corpus
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "d.txt").write_text("a document reached through a linked folder", encoding="utf-8")
+    (root / "linked").symlink_to(elsewhere)
+    (root / "again").symlink_to("linked")  # the same folder twice: its files are read once
+    (root / "sub" / "d-link.txt").symlink_to(elsewhere / "d.txt")  # and so is a file linked twice
+    out = tmp_path / "data"
+    meta = prepared(corpus, out)
+    assert meta["input_files"] == 4
+    assert meta["corpus_sha256"] == sha256sum_listing(root, ["a.txt", "again/d.txt", "sub/b.txt", "sub/c.jsonl"])
+
+    (elsewhere / "up").symlink_to(root)
+    code, stdout, stderr = invoke(str(root), "--out", str(tmp_path / "data2"), "--vocab-size", "300")
+    assert code == 2 and stdout == ""
+    loop = f"{root}/again/up: symbolic link loop (leads back to {root}, a folder it is in)"
+    assert stderr == f"depthdiag: error: {loop}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "data", "elsewhere"]
+
+
+def test_a_vocabulary_the_trainer_cannot_reserve_is_refused_before_training(corpus, tmp_path):
+    # In a subprocess: the trainer's failed allocation aborts the process (it was exit 134).
+    for size in (10**9, 2**32):
+        command = [sys.executable, "-m", "depthdiag", "prepare", str(corpus[0]), "--out", str(tmp_path / "data")]
+        result = subprocess.run([*command, "--vocab-size", str(size)], cwd=ROOT, capture_output=True, text=True)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert result.stderr.startswith(f"depthdiag: error: --vocab-size {size}: must be in [257, 2097152] (")
+        assert result.stderr.count("\n") == 1
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
 
 
 def test_a_file_inside_the_output_folder_is_not_read(corpus, tmp_path):

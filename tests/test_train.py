@@ -132,11 +132,16 @@ def test_resume_with_another_config_is_refused_and_writes_nothing(tmp_path):
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
 
 
-def test_fresh_run_into_an_existing_run_is_refused(tmp_path):
+def test_fresh_run_into_an_existing_run_is_refused_unless_forced(tmp_path):
     config = tiny_config(text_corpus(tmp_path), updates=4, snapshot_uniform_updates=[])
     train(config, tmp_path / "run", progress=False)
-    with pytest.raises(InputError, match="already holds a run"):
+    first = without_wall_time(tmp_path / "run")
+    with pytest.raises(InputError, match="run: already exists; resume it with --resume, replace it with --force"):
         train(config, tmp_path / "run", progress=False)
+    (tmp_path / "run" / "checkpoints" / ".step_000002.pt.abcd1234.tmp.pt").write_bytes(b"left by a kill")
+    train(config, tmp_path / "run", force=True, progress=False)
+    assert without_wall_time(tmp_path / "run") == first  # started over, not appended to
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["latest", "step_000004.pt"]
     with pytest.raises(InputError, match="no checkpoint to resume"):
         train(config, tmp_path / "empty", resume=True, progress=False)
 

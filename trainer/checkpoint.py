@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import torch
 
 from common.atomic import atomic_output
 from common.digest import file_sha256
-from common.errors import InputError
+from common.errors import InputError, unreachable_input
 from trainer.config import RunConfig
 from trainer.model import LoopedTransformer
 from trainer.optim import OPTIMIZER_CLASSES, build_optimizer
@@ -69,15 +70,19 @@ class _WholeWrites(io.FileIO):
 
 def atomic_torch_save(payload: dict[str, Any], path: str | Path) -> Path:
     """`torch.save(payload)` to `path` atomically (common/atomic.py), its directory created if
-    need be. A failed write raises the OSError behind it, naming `path`."""
+    need be, its tensors on the CPU; equal payloads give equal bytes (`_plain`). A failed write
+    raises the OSError behind it, naming `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_output(path) as tmp, _WholeWrites(tmp, "wb") as handle:
         # Saved through a handle, not a file name: torch names the archive's top folder
         # after a file name, which would put the temporary name into the bytes.
         try:
-            torch.save(payload, handle)
-        except RuntimeError:
+            torch.save(_plain(payload), handle)
+        except RuntimeError as err:
+            # Ctrl-C or SIGTERM during a write: torch reports the archive's position instead.
+            if isinstance(err.__context__, KeyboardInterrupt):
+                raise err.__context__ from None
             if handle.error is None:
                 raise
             raise OSError(handle.error.errno, handle.error.strerror, str(path)) from None
@@ -100,7 +105,7 @@ def _state_payload(
         "step": int(step),
         "uniform_updates": int(uniform_updates),
         "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-        "optimizer": _to_cpu(optimizer.state_dict()),
+        "optimizer": optimizer.state_dict(),
         "optimizer_class": type(optimizer).__name__,
         "lr": float(lr),
         "eval_tokens": eval_tokens.detach().to("cpu", torch.int64),
@@ -160,13 +165,25 @@ def save_checkpoint(
     return atomic_torch_save(payload, path)
 
 
-def _to_cpu(value: Any) -> Any:
+def _plain(value: Any) -> Any:
+    """`value` with its tensors on the CPU, rebuilt so that its pickle depends on the values
+    alone. Pickle writes a second reference to one object as a back-reference but an equal
+    copy in full, so object identity reaches the bytes: in a fresh run the optimizer state's
+    keys ('step', 'lr', 'exp_avg', ...) are the very strings of the payload's own keys and of
+    torch's code, after a resume they are copies read back from the checkpoint, and the same
+    state pickled to other bytes (another sha256 for a tensor-identical snapshot). Every
+    string interned (one object per value) and every container new (none shared), equal
+    payloads pickle alike."""
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
+    if type(value) is str:
+        return sys.intern(value)
     if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
+        return {_plain(k): _plain(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_to_cpu(v) for v in value]
+        return [_plain(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_plain(v) for v in value)
     return value
 
 
@@ -281,7 +298,7 @@ def load_snapshot(path: str | Path, kind: str | None = None) -> Snapshot:
 def _read_payload(path: Path) -> dict[str, Any]:
     """The file's top-level dict, once it is known to be of this format version with every key of its kind."""
     if not path.is_file():
-        raise InputError(f"{path}: no such file")
+        raise unreachable_input(path)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises RuntimeError, EOFError, UnpicklingError... for damaged files

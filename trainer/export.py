@@ -12,22 +12,29 @@ Loading it back is plain PyTorch (docs/api.md shows the lines, and a test runs t
     model = LoopedTransformer(cfg)
     model.load_state_dict(safetensors.torch.load_file("OUT/model.safetensors"))
 
-OUT appears complete or not at all (common/atomic.py `atomic_directory`), under OUT's lock.
+OUT appears complete or not at all (common/atomic.py `atomic_directory`), under OUT's lock,
+its files with the permissions of every other output (0666 less the umask). A full disk or a
+file-size limit is an OSError naming the file (the CLI's one line, exit 2).
 An existing OUT is replaced only with `force`, and only when it holds nothing but an export's
 two files: a folder with anything else in it is never deleted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import safetensors.torch
 import torch
+from safetensors import SafetensorError
 
-from common.atomic import atomic_directory
-from common.errors import InputError
-from common.lock import exclusive_output
+from common.atomic import atomic_directory, new_file_mode
+from common.lock import claimed_outputs
+from common.outputs import OutputKind, check_output, json_file, only_entries
 from common.provenance import package_version
 from trainer.checkpoint import Snapshot, load_snapshot
 
@@ -73,34 +80,54 @@ def export_document(snap: Snapshot) -> dict:
     }
 
 
-def _check_out(out: Path, force: bool) -> None:
-    """Refuse an OUT that is not a folder, an existing export unless `force`, and a folder
-    holding anything but an export's files always."""
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise InputError(f"{out}: exists and is not a folder; --out names the folder to write the export to")
-    names = sorted(p.name for p in out.iterdir())
-    others = [name for name in names if name not in EXPORT_FILES]
-    if others:
-        raise InputError(
-            f"{out}: holds other files than an export ({', '.join(others[:3])}); export into a new or empty folder"
-        )
-    if names and not force:
-        raise InputError(f"{out}: already exists; pass --force to overwrite it")
+def _is_export(out: Path) -> bool:
+    """An export folder depthdiag wrote: its files alone, the config naming a model."""
+    document = json_file(out / CONFIG_FILE)
+    return (
+        out.is_dir()
+        and only_entries(out, EXPORT_FILES)
+        and document is not None
+        and {"format_version", "model"} <= document.keys()
+    )
+
+
+EXPORT_FOLDER = OutputKind("model export", _is_export, folder=True, entries=EXPORT_FILES)
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, force: bool = False) -> Path:
     """Write the model of `checkpoint` (a checkpoint or a snapshot) to the folder `out` as
     model.safetensors and config.json; returns `out`."""
     out = Path(out)
-    _check_out(out, force)
+    check_output(out, kind=EXPORT_FOLDER, inputs=[checkpoint], force=force)
     snap = load_snapshot(checkpoint)
     tensors = unshared_tensors(snap.model().state_dict())
     document = export_document(snap)
-    with exclusive_output(out):
-        _check_out(out, force)
+    with claimed_outputs([out], kind=EXPORT_FOLDER, inputs=[checkpoint], force=force):
         with atomic_directory(out) as tmp:
-            safetensors.torch.save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
-            (tmp / CONFIG_FILE).write_text(json.dumps(document, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+            with _naming_write_errors(tmp / WEIGHTS_FILE):
+                safetensors.torch.save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+            # safetensors creates the file private (0600); it should be as readable as config.json.
+            os.chmod(tmp / WEIGHTS_FILE, new_file_mode())
+            with _naming_write_errors(tmp / CONFIG_FILE):
+                (tmp / CONFIG_FILE).write_text(json.dumps(document, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return out
+
+
+@contextlib.contextmanager
+def _naming_write_errors(path: Path) -> Iterator[None]:
+    """Raise an OS error of writing `path` as an OSError that names it, so that the CLI reports
+    a full disk or a file-size limit on one line: a failed write says no file name, and
+    safetensors puts the OS error into the message of an exception of its own."""
+    try:
+        yield
+    except SafetensorError as err:
+        # Rust's text for an OS error, e.g. "I/O error: File too large (os error 27)".
+        code = re.search(r"\(os error (\d+)\)", str(err))
+        if code is None:
+            raise
+        number = int(code.group(1))
+        raise OSError(number, os.strerror(number), str(path)) from None
+    except OSError as err:
+        if err.filename is not None:
+            raise
+        raise OSError(err.errno, err.strerror or str(err).splitlines()[0], str(path)) from None

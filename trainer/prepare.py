@@ -9,7 +9,9 @@ max_token_id, dtype; and how the files were made).
 
 Inputs: files, folders (every file below them that is not hidden, in sorted order of the
 relative path) and glob patterns (their matches in sorted order, a folder as above), in the
-order given; a file reached twice is read once, where it is first reached.
+order given; a file reached twice is read once, where it is first reached. Symbolic links are
+followed, to files and to folders (a folder reached twice is read once); a link that leads
+back to a folder it is in (a loop), or to nothing, is refused, as input or below one.
 
 Documents:
 
@@ -26,6 +28,17 @@ read as a big-endian integer, are below val_fraction * 2**64, else to train.bin.
 depends on a document's content alone: not on the order, the other documents or the
 machine, and duplicates of a document all land on the same side. Each split's documents
 keep their input order; each document's ids are followed by the end-of-text token's id.
+
+A small corpus (a book of 30 paragraphs, a few whole files) can leave a split without a
+document at val_fraction 0.01, and the bin source needs both. Then, and only then, the split
+falls back to pieces (PIECE_RULE): every document is cut at line ends into pieces of at most
+PIECE_CHARS characters (a longer line is a piece of its own), and the side left empty takes
+the pieces of the lowest hashes (val) or the highest (train), duplicates together, until it
+holds its share of the characters (val_fraction, or 1 - val_fraction), one piece at least,
+leaving the other side one at least. The pieces are the documents of the token files from
+then on (each followed by the end-of-text id). Still deterministic and independent of the
+order, it now depends on the other pieces; meta.json's "split" records it and the CLI says
+so. Text that gives a single distinct piece cannot be split: InputError.
 
 Tokenizer: byte-level BPE (GPT-2's pre-tokenizer regex, no prefix space, the 256 byte
 symbols as the initial alphabet, so any UTF-8 text encodes and decodes back to itself),
@@ -45,16 +58,18 @@ distinct pre-tokenized words and their counts.
 
 The output appears complete or not at all: everything is written in a hidden folder beside
 it, which replaces the output only when finished (an existing output only with force),
-under the output's lock. A file that changes between the two passes is refused.
+under the output's lock; an OS error while writing (a full disk) names the output file it
+was writing. A file that changes between the passes is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
+import heapq
 import json
 import os
-import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -64,8 +79,9 @@ import numpy as np
 from common.atomic import atomic_directory
 from common.choices import DOCUMENT_CHOICES
 from common.digest import file_sha256
-from common.errors import InputError
-from common.lock import claimed_outputs, refuse_existing
+from common.errors import InputError, unreachable_input
+from common.lock import claimed_outputs
+from common.outputs import OutputKind, check_output, json_file, only_entries
 from common.progress import progress_bar
 
 FORMAT_VERSION = 1
@@ -78,9 +94,27 @@ ENCODE_BATCH_CHARS = 1 << 22
 """Characters of text encoded in one batch (the ids of one batch are in memory at once)."""
 PROGRESS_BYTES = 1 << 20
 """Bytes read between progress updates."""
+MAX_VOCAB_SIZE = 1 << 21
+"""The largest --vocab-size trained. The tokenizers trainer reserves its tables for the size
+asked up front (about 100 bytes a token) and aborts the process when that allocation fails
+(10**9 asks for 71 GB at once); 2**21 reserves about 200 MB and is 8x the largest
+vocabularies in use. A larger tokenizer.json can still be given with --tokenizer."""
+PIECE_CHARS = 1000
+"""The longest piece (in characters) the fallback split cuts from a document at line ends:
+a long paragraph."""
 SPLIT_RULE = (
     "a document is in val when int.from_bytes(sha256(text.encode('utf-8')).digest()[:8], 'big') "
     "< val_fraction * 2**64, else in train"
+)
+FORMAT = "depthdiag prepare"
+"""meta.json's "format", by which --force recognises a folder prepare wrote."""
+
+PIECE_RULE = (
+    "when the document split leaves a side without a document: each document cut at line ends "
+    f"into pieces of at most {PIECE_CHARS} characters (a longer line alone), and the empty side "
+    "takes the pieces of the lowest (val) or highest (train) hashes, duplicates together, until "
+    "it holds its share (val_fraction, or 1 - val_fraction) of their characters, one piece at "
+    "least and one left to the other side; a piece is in val when its hash < threshold"
 )
 CORPUS_SHA256_RULE = (
     "sha256 of the listing that `sha256sum NAME...` prints for the input files in processing "
@@ -122,10 +156,11 @@ class PrepareConfig:
                 "--tokenizer FILE (use a tokenizer.json)"
             )
         smallest = BYTE_SYMBOLS + 1
-        if self.vocab_size is not None and not smallest <= self.vocab_size <= 1 << 32:
+        if self.vocab_size is not None and not smallest <= self.vocab_size <= MAX_VOCAB_SIZE:
             raise InputError(
-                f"--vocab-size {self.vocab_size}: must be in [{smallest}, 2**32] "
-                f"(the 256 byte symbols and the end-of-text token come first)"
+                f"--vocab-size {self.vocab_size}: must be in [{smallest}, {MAX_VOCAB_SIZE}] "
+                f"(the 256 byte symbols and the end-of-text token come first; the trainer reserves "
+                f"memory for every token asked)"
             )
         if not 0 < self.val_fraction < 1:
             raise InputError(f"--val-fraction {self.val_fraction}: must be between 0 and 1")
@@ -154,22 +189,40 @@ class InputFile:
 # --- finding the input files -----------------------------------------------------------------
 
 
-def _is_hidden(relative: Path) -> bool:
-    return any(part.startswith(".") for part in relative.parts)
-
-
 def _folder_files(folder: Path, skip: Path) -> list[Path]:
     """Every regular file below `folder` that is neither hidden nor inside `skip` (the output
-    folder), sorted by relative path."""
+    folder), sorted by relative path, following symbolic links."""
     found = []
     if folder.resolve() == skip:
         return found
-    for root, dirs, files in os.walk(folder):
-        dirs[:] = [d for d in dirs if Path(root, d).resolve() != skip]
+    # The real paths of a walked folder and of the folders it is in: a link to one of them
+    # would walk forever. Sorted names make the walk reach a folder first by its smallest path,
+    # where the sort below puts its files, so a folder reached again is skipped.
+    inside = {os.fspath(folder): frozenset([os.path.realpath(folder)])}
+    walked = set(inside[os.fspath(folder)])
+    for root, dirs, files in os.walk(folder, followlinks=True):
+        chain = inside.pop(root)
+        kept = []
+        for name in sorted(dirs):
+            path = os.path.join(root, name)
+            real = os.path.realpath(path)
+            if name.startswith(".") or Path(real) == skip:
+                continue
+            if real in chain:
+                raise InputError(f"{path}: symbolic link loop (leads back to {real}, a folder it is in)")
+            if real not in walked:
+                walked.add(real)
+                inside[path] = chain | {real}
+                kept.append(name)
+        dirs[:] = kept
         for name in files:
             path = Path(root, name)
-            if not _is_hidden(path.relative_to(folder)) and path.is_file():
+            if name.startswith("."):
+                continue
+            if path.is_file():
                 found.append(path)
+            elif not path.exists():
+                raise unreachable_input(path, "file or folder")
     return sorted(found, key=lambda p: p.relative_to(folder).parts)
 
 
@@ -186,17 +239,20 @@ def find_inputs(inputs: tuple[str, ...], out: Path) -> list[InputFile]:
         elif path.is_file():
             matched = [path]
         elif glob.has_magic(given):
-            matched = [
-                file
-                for match in sorted(glob.glob(given, recursive=True))
-                for file in (_folder_files(Path(match), skip) if Path(match).is_dir() else [Path(match)])
-            ]
+            matched = []
+            for match in sorted(glob.glob(given, recursive=True)):
+                if Path(match).is_dir():
+                    matched.extend(_folder_files(Path(match), skip))
+                elif Path(match).exists():
+                    matched.append(Path(match))
+                else:
+                    raise unreachable_input(match, "file or folder")
             if not matched:
                 raise InputError(f"{given}: no files match")
         elif path.exists():
             raise InputError(f"{given}: neither a file nor a folder")
         else:
-            raise InputError(f"{given}: no such file or folder")
+            raise unreachable_input(given, "file or folder")
         paths.extend(matched)
     unique: dict[str, Path] = {}
     for path in paths:
@@ -271,10 +327,29 @@ def _file_documents(file: InputFile, config: PrepareConfig, digest, on_bytes) ->
             yield "\n".join(paragraph)
 
 
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big")
+
+
 def in_val(text: str, val_fraction: float) -> bool:
     """Whether a document is held out (see SPLIT_RULE)."""
-    head = hashlib.sha256(text.encode("utf-8")).digest()[:8]
-    return int.from_bytes(head, "big") < val_fraction * 2**64
+    return _hash(text) < val_fraction * 2**64
+
+
+def _pieces(text: str) -> Iterator[str]:
+    """`text` cut at line ends into its non-empty pieces of at most PIECE_CHARS characters, a
+    longer line alone (see PIECE_RULE)."""
+    piece: list[str] = []
+    size = -1
+    for line in text.split("\n"):
+        if piece and size + 1 + len(line) > PIECE_CHARS:
+            if size > 0:
+                yield "\n".join(piece)
+            piece, size = [], -1
+        piece.append(line)
+        size += 1 + len(line)
+    if size > 0:
+        yield "\n".join(piece)
 
 
 class Corpus:
@@ -287,19 +362,84 @@ class Corpus:
         self.progress = progress
         self.file_sha256: list[str] | None = None
         """Each file's sha256, from the first pass."""
+        self.threshold: float | int = config.val_fraction * 2**64
+        """A document (or piece) is in val when its hash is below this."""
+        self.fallback: dict | None = None
+        """How the split fell back to pieces (PIECE_RULE), or None: it is by document."""
+        self.counts: dict[str, int] | None = None
+        """Documents (or pieces) in each split in the last pass."""
 
-    def documents(self, desc: str) -> Iterator[tuple[str, bool]]:
-        """(text, in val) for every document in processing order."""
+    def _texts(self, desc: str) -> Iterator[str]:
         digests = []
         with progress_bar(sum(f.size for f in self.files), desc, "B", enabled=self.progress) as bar:
             for file in self.files:
                 digest = hashlib.sha256()
-                for text in _file_documents(file, self.config, digest, bar.update):
-                    yield text, in_val(text, self.config.val_fraction)
+                yield from _file_documents(file, self.config, digest, bar.update)
                 digests.append(digest.hexdigest())
                 if self.file_sha256 is not None and self.file_sha256[len(digests) - 1] != digests[-1]:
                     raise InputError(f"{file.path}: changed while it was being prepared")
         self.file_sha256 = digests
+
+    def documents(self, desc: str) -> Iterator[tuple[str, bool]]:
+        """(text, in val) for every document (or piece) in processing order."""
+        counts = {"train": 0, "val": 0}
+        for document in self._texts(desc):
+            for text in _pieces(document) if self.fallback else (document,):
+                is_val = _hash(text) < self.threshold
+                counts["val" if is_val else "train"] += 1
+                yield text, is_val
+        self.counts = counts
+
+    def fall_back_to_pieces(self) -> bool:
+        """When the last pass left a split without a document, switch to the piece split (one
+        more pass chooses its threshold) and return True."""
+        if self.fallback is not None or min(self.counts.values()) > 0:
+            return False
+        empty = "val" if self.counts["val"] == 0 else "train"
+        share = self.config.val_fraction if empty == "val" else 1 - self.config.val_fraction
+        # Sorting keys: the empty side takes the smallest. Characters are at least a byte each,
+        # so a key is never needed once the smaller ones hold `bound`: the candidates stay few.
+        flip = 0 if empty == "val" else 2**64 - 1
+        bound = share * sum(f.size for f in self.files)
+        chars: dict[int, int] = {}
+        largest: list[int] = []
+        held = total = documents = count = 0
+        dropped = False
+        for document in self._texts("prepare: cutting documents into pieces"):
+            documents += 1
+            for text in _pieces(document):
+                key = _hash(text) ^ flip
+                if key not in chars:
+                    chars[key] = 0
+                    heapq.heappush(largest, -key)
+                chars[key] += len(text)
+                held += len(text)
+                total += len(text)
+                count += 1
+                while len(largest) > 1 and held - chars[-largest[0]] >= bound:
+                    held -= chars.pop(-heapq.heappop(largest))
+                    dropped = True
+        keys = sorted(chars)
+        if len(keys) < 2 and not dropped:
+            raise InputError(
+                f"{' '.join(self.config.inputs)}: too little text to split into train and val (its "
+                f"{documents} document(s) cut at line ends give {len(keys)} distinct piece(s)); give more text"
+            )
+        last, taken = 0, chars[keys[0]]
+        while taken < share * total and last < len(keys) - 1:
+            last += 1
+            taken += chars[keys[last]]
+        if last == len(keys) - 1 and not dropped:
+            last -= 1
+        self.threshold = keys[last] + 1 if empty == "val" else keys[last] ^ flip
+        self.fallback = {
+            "because": f"no document of {documents:,} fell in {empty} at val_fraction {self.config.val_fraction}",
+            "rule": PIECE_RULE,
+            "piece_chars": PIECE_CHARS,
+            "pieces": count,
+            "threshold": self.threshold,
+        }
+        return True
 
     def sha256(self) -> str:
         listing = "".join(f"{h}  {f.name}\n" for h, f in zip(self.file_sha256, self.files))
@@ -343,6 +483,16 @@ def load_tokenizer(path: Path):
 # --- writing ---------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """Name `path` in an OS error raised while writing it: a failed write names no file, and
+    a full disk should say which file it stopped."""
+    try:
+        yield
+    except OSError as err:
+        raise OSError(err.errno, err.strerror or str(err), str(path)) from None
+
+
 def _dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
@@ -354,7 +504,8 @@ def _encode(corpus: Corpus, tokenizer, eot_id: int, dtype: str, folder: Path) ->
     # A document that spells out a special token is text like any other: only the end of a
     # document may produce eot_id, or the boundaries in the token files would lie.
     tokenizer.encode_special_tokens = True
-    with open(folder / "train.bin", "wb") as train, open(folder / "val.bin", "wb") as val:
+    paths = {split: folder / f"{split}.bin" for split in ("train", "val")}
+    with open(paths["train"], "wb") as train, open(paths["val"], "wb") as val:
         handles = {"train": train, "val": val}
         batch: list[tuple[str, bool]] = []
         chars = 0
@@ -368,7 +519,12 @@ def _encode(corpus: Corpus, tokenizer, eot_id: int, dtype: str, folder: Path) ->
                     continue
                 array = np.fromiter((i for doc in ids for i in doc), dtype=np.int64)
                 top = max(top, int(array.max()))
-                array.astype(dtype).tofile(handles[split])
+                # Not ndarray.tofile, whose failed write gives neither the errno nor the reason.
+                # Flushed at once, so that closing the files never writes: an error there
+                # would replace the one that names its file.
+                with _writing(paths[split]):
+                    handles[split].write(array.astype(dtype))
+                    handles[split].flush()
                 counts["documents"][split] += len(ids)
                 counts["tokens"][split] += len(array)
             batch.clear()
@@ -381,20 +537,31 @@ def _encode(corpus: Corpus, tokenizer, eot_id: int, dtype: str, folder: Path) ->
                 chars = 0
         if batch:
             flush()
-        for handle in handles.values():
-            handle.flush()
-            os.fsync(handle.fileno())
+        for split, handle in handles.items():
+            with _writing(paths[split]):
+                os.fsync(handle.fileno())
     counts["max_token_id"] = top
     return counts
+
+
+OUTPUT_FILES = ("train.bin", "val.bin", "tokenizer.json", "meta.json")
+
+
+def _is_prepared_data(out: Path) -> bool:
+    """A data folder depthdiag prepare wrote: its files alone, meta.json saying so."""
+    meta = json_file(out / "meta.json")
+    return out.is_dir() and only_entries(out, OUTPUT_FILES) and meta is not None and meta.get("format") == FORMAT
+
+
+PREPARED_DATA = OutputKind("prepared data folder", _is_prepared_data, folder=True, entries=OUTPUT_FILES)
 
 
 def prepare(config: PrepareConfig, *, progress: bool = True) -> PrepareSummary:
     """Build config.out from config.inputs (see the module docstring)."""
     out = config.out
-    if out.exists() and not out.is_dir():
-        raise InputError(f"{out}: exists and is not a folder")
-    refuse_existing([out], force=config.force)
     files = find_inputs(config.inputs, out)
+    inputs = [file.path for file in files] + ([config.tokenizer] if config.tokenizer is not None else [])
+    check_output(out, kind=PREPARED_DATA, inputs=inputs, force=config.force)
     tokenizer = None
     if config.tokenizer is not None:
         tokenizer = load_tokenizer(config.tokenizer)
@@ -405,16 +572,26 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> PrepareSummary:
             )
     # The lock clears what a killed prepare left beside `out`; the folder is built beside it and
     # takes its place complete, or not at all.
-    with claimed_outputs([out], force=config.force), atomic_directory(out) as folder:
+    with claimed_outputs([out], kind=PREPARED_DATA, inputs=inputs, force=config.force), atomic_directory(out) as folder:
         corpus = Corpus(files, config, progress)
         if tokenizer is None:
             tokenizer = train_tokenizer(corpus, config.vocab_size, config.eot)
-            tokenizer.save(str(folder / "tokenizer.json"))
+            if corpus.fall_back_to_pieces():
+                tokenizer = train_tokenizer(corpus, config.vocab_size, config.eot)
+            # What Tokenizer.save writes; its failed write is a bare Exception, not an OSError.
+            text = tokenizer.to_str(pretty=True)
+            with _writing(folder / "tokenizer.json"):
+                (folder / "tokenizer.json").write_text(text, encoding="utf-8")
         else:
-            shutil.copyfile(config.tokenizer, folder / "tokenizer.json")
+            # Not shutil.copyfile: on a full disk its error names the source, not the copy.
+            data = config.tokenizer.read_bytes()
+            with _writing(folder / "tokenizer.json"):
+                (folder / "tokenizer.json").write_bytes(data)
         eot_id = tokenizer.token_to_id(config.eot)
         dtype = _dtype(tokenizer.get_vocab_size(with_added_tokens=True))
         counts = _encode(corpus, tokenizer, eot_id, dtype, folder)
+        if corpus.fall_back_to_pieces():
+            counts = _encode(corpus, tokenizer, eot_id, dtype, folder)
         for split in ("train", "val"):
             if counts["tokens"][split] < 2:
                 raise InputError(
@@ -423,7 +600,8 @@ def prepare(config: PrepareConfig, *, progress: bool = True) -> PrepareSummary:
                     "--val-fraction"
                 )
         meta = _meta(config, files, corpus, tokenizer, eot_id, dtype, counts, folder)
-        (folder / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+        with _writing(folder / "meta.json"):
+            (folder / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
     return PrepareSummary(out=out, meta=meta)
 
 
@@ -441,7 +619,7 @@ def _meta(config: PrepareConfig, files, corpus: Corpus, tokenizer, eot_id: int, 
             "trained_on": "the train split's documents",
         }
     return {
-        "format": "depthdiag prepare",
+        "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True),
         "max_token_id": counts["max_token_id"],
@@ -456,7 +634,9 @@ def _meta(config: PrepareConfig, files, corpus: Corpus, tokenizer, eot_id: int, 
         "documents": counts["documents"],
         "document": "a line of a .jsonl file; in other files, a "
         + ("blank-line separated paragraph" if config.document == "paragraph" else "whole file"),
-        "split": {"unit": "document", "val_fraction": config.val_fraction, "rule": SPLIT_RULE},
+        "split": {"unit": "document", "val_fraction": config.val_fraction, "rule": SPLIT_RULE}
+        if corpus.fallback is None
+        else {"unit": "piece", "val_fraction": config.val_fraction, "rule": SPLIT_RULE, "fallback": corpus.fallback},
         "corpus_sha256": corpus.sha256(),
         "corpus_sha256_rule": CORPUS_SHA256_RULE,
         "input_root": "the deepest folder that holds every input file",

@@ -39,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from common.atomic import atomic_write_text, remove_stale_temporaries_in
 from common.errors import InputError, RunFailed
 from common.lock import exclusive_output
+from common.outputs import OutputKind, check_output, empty_folder, json_file, only_entries
 from common.progress import progress_bar
 from trainer.checkpoint import (
     CHECKPOINT_DIR,
@@ -69,10 +70,11 @@ from trainer.hooks import TrainingMonitor
 from trainer.loss import clip_gradients_, counted_targets, loss_sum_of
 from trainer.model import LoopedTransformer
 from trainer.optim import build_optimizer, lr_at
+from trainer.resources import check_memory
 from trainer.rng import set_process_rng_state
 from trainer.schedules import Schedule, parse_schedule
 from trainer.scoring import mean_nll_by_depth
-from trainer.sinks import MetricsSink, build_sinks, check_extras
+from trainer.sinks import TENSORBOARD_DIR, WANDB_DIR, MetricsSink, build_sinks, check_extras
 
 
 class TrainStep:
@@ -156,17 +158,58 @@ class TrainSummary:
     """Snapshots this invocation wrote."""
 
 
+MONITOR_FILE = "monitor.h5"
+"""The in-training diagnostic's results file in the run directory (diag/monitor.py writes it)."""
+EVAL_CACHE = "grid-eval.h5"
+"""A grid cell's evaluation, kept in its run directory (depthdiag/grid.py writes it)."""
+RUN_ENTRIES = (
+    "config.json",
+    "metrics.jsonl",
+    "summary.json",
+    CHECKPOINT_DIR,
+    SNAPSHOT_DIR,
+    MONITOR_FILE,
+    EVAL_CACHE,
+    TENSORBOARD_DIR,
+    WANDB_DIR,
+)
+"""Everything a run (and the tools that work on it) writes into its directory."""
+
+
+def _is_run_directory(run_dir: Path) -> bool:
+    """A run directory depthdiag wrote: a run's entries alone, config.json a run config."""
+    config = json_file(run_dir / "config.json")
+    return (
+        run_dir.is_dir()
+        and only_entries(run_dir, RUN_ENTRIES)
+        and config is not None
+        and {"model", "train"} <= config.keys()
+    )
+
+
+RUN_DIRECTORY = OutputKind(
+    "run directory",
+    _is_run_directory,
+    folder=True,
+    existing_hint="resume it with --resume, replace it with --force, or choose another --out",
+    entries=RUN_ENTRIES,
+)
+
+
 def train(
     config: RunConfig,
     out_dir: str | Path,
     *,
     resume: bool = False,
+    force: bool = False,
     progress: bool = True,
     monitor: TrainingMonitor | None = None,
 ) -> TrainSummary:
     """Train `config` into `out_dir` (see the module docstring); under torchrun each
     process calls this and rank 0 writes every file. `resume=True` continues from the
     newest checkpoint in `out_dir` and refuses a config that differs from the stored one.
+    A fresh run refuses an existing, non-empty `out_dir` unless `force`, which empties one that
+    is a run directory depthdiag wrote (RUN_DIRECTORY) and refuses anything else.
 
     metrics.jsonl has a line every log_every updates and at every checkpoint: step (0-based
     index of the update), depth (this update's), depth_counts (how many of the updates since
@@ -191,7 +234,8 @@ def train(
     check_extras(config)
     world = init_world(config.train.device)
     try:
-        with _run_dir_lock(run_dir, world):
+        check_memory(config, world.device, world.world_size)  # before the lock, which makes folders
+        with _run_dir_lock(run_dir, world, fresh=not resume, force=force):
             run = _set_up(config, run_dir, world, resume=resume)
             sinks = build_sinks(config, run_dir, start=run.start) if world.is_main else []
             try:
@@ -205,15 +249,21 @@ def train(
 
 
 @contextlib.contextmanager
-def _run_dir_lock(run_dir: Path, world: World) -> Iterator[None]:
-    """Hold the run directory's lock (rank 0) for the block. Every rank learns whether rank 0
-    got it before any other collective, so under torchrun a refusal ends every rank with
-    the same InputError instead of leaving the others waiting at a barrier."""
+def _run_dir_lock(run_dir: Path, world: World, *, fresh: bool, force: bool) -> Iterator[None]:
+    """Hold the run directory's lock (rank 0) for the block; for a `fresh` run, refuse an
+    existing run directory unless `force`, which replaces one depthdiag wrote (common/outputs.py).
+    Every rank learns whether rank 0 got it before any other collective, so under torchrun a
+    refusal ends every rank with the same InputError instead of leaving the others waiting at
+    a barrier."""
     with contextlib.ExitStack() as stack:
         refusal = None
         if world.is_main:
             try:
                 stack.enter_context(exclusive_output(run_dir))
+                if fresh:
+                    check_output(run_dir, kind=RUN_DIRECTORY, force=force)
+                    if force:
+                        empty_folder(run_dir)
             except InputError as err:
                 refusal = err
         refused = all_gather_ints(world, int(refusal is not None))[0]
@@ -380,17 +430,13 @@ def _checked_schedule(config: RunConfig, world: World) -> Schedule:
 def _initial_model(config: RunConfig, run_dir: Path, *, resume: bool) -> tuple[LoopedTransformer, Snapshot | None]:
     """The model on the CPU, initialised from train.seed (so every device starts from the
     same weights); when resuming, with the weights of the newest checkpoint in `run_dir`
-    (returned too) and the process RNGs restored to its states. A fresh run refuses a
-    directory that holds one; a resume refuses a missing checkpoint or another config."""
+    (returned too) and the process RNGs restored to its states. A resume refuses a missing
+    checkpoint or another config (a fresh run's directory is checked under its lock)."""
     torch.manual_seed(config.train.seed)
     model = LoopedTransformer(config.model)
-    checkpoint_path = latest_checkpoint(run_dir)
     if not resume:
-        if checkpoint_path is not None:
-            raise InputError(
-                f"{run_dir}: already holds a run ({checkpoint_path.name}); resume it or choose another output"
-            )
         return model, None
+    checkpoint_path = latest_checkpoint(run_dir)
     if checkpoint_path is None:
         raise InputError(f"{run_dir}: no checkpoint to resume from")
     checkpoint = load_snapshot(checkpoint_path, kind="checkpoint")

@@ -6,11 +6,13 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from collections.abc import Callable
 
 import click
 
 from common.errors import EXIT_BAD_INPUT, EXIT_RUN_FAILED, InputError, RunFailed
 from common.heap import keep_freed_memory
+from common.signals import EXIT_SIGINT, interrupt_exit, terminate_raises
 
 
 def _os_error_line(err: OSError) -> str:
@@ -19,17 +21,33 @@ def _os_error_line(err: OSError) -> str:
     return f"{err.filename}: {reason}" if err.filename else reason
 
 
-def reports_errors(command):
+NOTHING_WRITTEN = "nothing was written (every output appears complete or not at all)"
+"""What an interrupted command that writes its outputs only at the end kept."""
+
+
+def reports_errors(command=None, *, kept: Callable[..., str] | None = None):
     """One line on stderr and the documented exit code for the project's failures:
     InputError and OS errors (a missing folder, no permission, a full disk) exit 2,
-    RunFailed exits 3. Anything else is a bug and keeps its traceback (exit 1)."""
+    RunFailed exits 3, an interrupt exits 130 (SIGINT) or 143 (SIGTERM) with a line saying
+    what was kept: `kept(**the command's parameters)`, by default NOTHING_WRITTEN. Anything
+    else is a bug and keeps its traceback (exit 1).
+
+    Use as `@reports_errors` or `@reports_errors(kept=...)`."""
+    if command is None:
+        return functools.partial(reports_errors, kept=kept)
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
+        except KeyboardInterrupt as err:
+            if _debug():
+                raise
+            name, code = interrupt_exit(err)
+            click.echo(f"depthdiag: interrupted ({name}): {kept(**kwargs) if kept else NOTHING_WRITTEN}", err=True)
+            sys.exit(code)
         except (InputError, RunFailed, OSError) as err:
-            if click.get_current_context().find_root().params.get("debug"):
+            if _debug():
                 raise
             if isinstance(err, RunFailed):
                 message, code = str(err), EXIT_RUN_FAILED
@@ -43,6 +61,33 @@ def reports_errors(command):
     return wrapper
 
 
+def _debug() -> bool:
+    return bool(click.get_current_context().find_root().params.get("debug"))
+
+
+class OneLineErrors(click.Group):
+    """A group whose usage errors (an unknown option, a missing argument, a bad value) are one
+    line, "depthdiag: error: COMMAND: problem (see COMMAND --help)", with exit code 2 like every
+    other bad input, instead of click's usage block."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.ClickException as err:
+            where = err.ctx.command_path if getattr(err, "ctx", None) is not None else (prog_name or "depthdiag")
+            problem = " ".join(err.format_message().split())
+            hint = f" (see {where} --help)" if isinstance(err, click.UsageError) else ""
+            click.echo(f"depthdiag: error: {where}: {problem}{hint}", err=True)
+            sys.exit(err.exit_code)
+        except click.Abort:
+            # Ctrl-C while click itself was working (parsing, before a command ran).
+            click.echo("depthdiag: interrupted (SIGINT): nothing was written", err=True)
+            sys.exit(EXIT_SIGINT)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
 def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
     """`--version`: the installed package's version, read from its metadata (no torch import)."""
     if not value or ctx.resilient_parsing:
@@ -53,7 +98,7 @@ def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> 
     ctx.exit()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
 @click.option(
     "--version",
@@ -77,10 +122,16 @@ def main(debug: bool) -> None:
     Exit codes: 0 success; 1 a bug (traceback); 2 bad input (one line naming
     the file and the problem, nothing half-written); 3 the run failed
     (divergence, disk full during a run: one line naming the step and the last
-    good checkpoint). --debug shows the traceback for 2 and 3 too.
+    good checkpoint); 130 interrupted by Ctrl-C (SIGINT), 143 stopped by SIGTERM
+    (one line saying what was kept and how to resume; no temporaries left).
+    --debug shows the traceback for 2, 3, 130 and 143 too.
 
     \b
     Every writer holds a lock on its output: a second writer is refused with the
-    holder's pid. An existing output is refused unless --force is given.
+    holder's pid. No command overwrites one of its inputs. An existing output is
+    refused unless --force is given, and --force replaces only an output of the
+    same kind that depthdiag wrote (a results file, a figure, a run directory...).
     """
     keep_freed_memory()  # a process-wide malloc setting, so the command sets it, not the library
+    ctx = click.get_current_context()
+    ctx.with_resource(terminate_raises())

@@ -20,6 +20,10 @@ from depthdiag.cli.options import (
 )
 
 
+def _diagnose_kept(out: str, **_) -> str:
+    return f"{out}.parts keeps every finished unit; continue with the same command and --resume"
+
+
 @click.command()
 @click.argument("snapshots", nargs=-1, type=click.Path(dir_okay=False))
 @click.option(
@@ -94,7 +98,7 @@ from depthdiag.cli.options import (
     help="Discard an unfinished run or an existing OUT and start over (never a live run's: it holds OUT's lock).",
 )
 @no_progress_option
-@reports_errors
+@reports_errors(kept=_diagnose_kept)
 def diagnose(
     snapshots: tuple[str, ...],
     out: str,

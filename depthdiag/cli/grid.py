@@ -59,6 +59,13 @@ def _grid_runs(grid_file: Path, runs: Path | None) -> Path:
     return runs if runs is not None else Path("runs") / grid_file.stem
 
 
+def _grid_run_kept(grid_file: Path, **_) -> str:
+    return (
+        "finished cells and the checkpoints of the cells in flight are kept; "
+        f"rerun `depthdiag grid run {grid_file}` with the same options to resume"
+    )
+
+
 @grid.command("run")
 @grid_file_argument
 @runs_option
@@ -71,7 +78,7 @@ def _grid_runs(grid_file: Path, runs: Path | None) -> Path:
 )
 @click.option("--dry-run", is_flag=True, help="List the cells (updates, modeled FLOPs, state) and train nothing.")
 @no_progress_option
-@reports_errors
+@reports_errors(kept=_grid_run_kept)
 def grid_run(
     grid_file: Path,
     runs: Path | None,
@@ -97,6 +104,10 @@ def grid_run(
     click.echo(f"{runs}: {len(report.trained)} cell(s) trained, {len(report.skipped)} already finished")
 
 
+def _grid_collect_kept(**_) -> str:
+    return "every finished cell's evaluation is kept in its run directory; rerun the same command to continue"
+
+
 @grid.command("collect")
 @grid_file_argument
 @runs_option
@@ -120,7 +131,7 @@ def grid_run(
 @max_depth_option
 @device_option
 @no_progress_option
-@reports_errors
+@reports_errors(kept=_grid_collect_kept)
 def grid_collect(
     grid_file: Path,
     runs: Path | None,
@@ -139,18 +150,18 @@ def grid_collect(
     its evaluation set, and recalled bits per person on bioS) and write one file with a
     dimension per grid axis, the cells' training-loss trajectories and modeled FLOPs. Each
     cell's evaluation is kept in its run directory and reused while its checkpoint is the same."""
-    from analysis.store import write_results
+    from analysis.store import RESULTS_FILE, write_results
     from common.depths import parse_serving_depths
-    from common.lock import refuse_existing
+    from common.outputs import check_output
     from depthdiag.grid import collect_grid, load_grid
 
-    refuse_existing([out], force=force)
+    check_output(out, kind=RESULTS_FILE, inputs=[grid_file], force=force)
     spec = load_grid(grid_file, axis_values, base=base_config, overrides=overrides)
     depths = parse_serving_depths(serving if serving is not None else spec.serving, limit=max_depth)
     ds = collect_grid(
         spec, _grid_runs(grid_file, runs), serving=depths, device=device, jobs=jobs, progress=not no_progress
     )
-    click.echo(f"wrote {write_results(ds, out, force=force)}")
+    click.echo(f"wrote {write_results(ds, out, force=force, inputs=[grid_file])}")
 
 
 @grid.command("table")

@@ -88,9 +88,10 @@ def lm_eval_run(
         --serving 1-16 --out results/x-downstream.h5
     """
     from analysis.downstream import format_downstream
-    from analysis.store import write_dataset
+    from analysis.store import RESULTS_FILE, write_dataset
     from common.depths import parse_serving_depths
-    from common.lock import claimed_outputs, refuse_existing
+    from common.lock import claimed_outputs
+    from common.outputs import check_output
     from depthdiag.downstream import DownstreamConfig, evaluate_downstream, parse_tasks, require_harness
 
     require_harness()
@@ -106,10 +107,10 @@ def lm_eval_run(
         device=device,
         progress=not no_progress,
     )
-    refuse_existing([out], force=force)
+    check_output(out, kind=RESULTS_FILE, inputs=[checkpoint], force=force)
     # The lock is held over the whole evaluation: a second writer of --out is refused at once,
     # not after hours of evaluating.
-    with claimed_outputs([out], force=force):
+    with claimed_outputs([out], kind=RESULTS_FILE, inputs=[checkpoint], force=force):
         ds = evaluate_downstream(config)
         click.echo(format_downstream(ds))
         write_dataset(ds, out)

@@ -73,9 +73,11 @@ def prepare(
 ) -> None:
     """Tokenize a text corpus into nanoGPT-style train.bin / val.bin for data.source = "bin".
 
-    INPUT: files, folders (every non-hidden file below, in sorted order) or glob patterns;
-    plain UTF-8 text, or JSON lines (.jsonl) with the document in --text-field. The
-    train/val split is by document, decided by a hash of its text. Two runs on the same
+    INPUT: files, folders (every non-hidden file below, in sorted order; symbolic links
+    followed, a loop or a broken one refused) or glob patterns; plain UTF-8 text, or JSON
+    lines (.jsonl) with the document in --text-field. The train/val split is by document,
+    decided by a hash of its text; where that leaves a split empty (a small corpus), by
+    pieces of the documents cut at line ends, and the output says so. Two runs on the same
     input write byte-identical files.
 
     \b
@@ -105,3 +107,10 @@ def prepare(
         f"train {meta['tokens']['train']:,} tokens ({meta['documents']['train']:,} documents), "
         f"val {meta['tokens']['val']:,} tokens ({meta['documents']['val']:,} documents)"
     )
+    fallback = meta["split"].get("fallback")
+    if fallback:
+        click.echo(
+            f"split: {fallback['because']}, so they were cut at line ends into {fallback['pieces']:,} "
+            f"pieces of at most {fallback['piece_chars']:,} characters, split by their hashes (the "
+            "documents counted above are these pieces; meta.json's split has the rule)"
+        )

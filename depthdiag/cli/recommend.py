@@ -96,7 +96,8 @@ def recommend(
     """
     from analysis.stats import IntervalOptions
     from common.atomic import atomic_write_text
-    from common.lock import claimed_outputs, refuse_existing
+    from common.lock import claimed_outputs
+    from common.outputs import GRID_SPEC, check_output
     from diag.recommend import RecommendConfig, comparison_grid, format_recommendation
     from diag.recommend import recommend as run_recommend
 
@@ -117,10 +118,10 @@ def recommend(
     except ValueError:
         raise InputError(f"--seeds {seeds!r}: expected integers separated by commas, e.g. 0,1,2") from None
     if grid_out is not None:
-        refuse_existing([grid_out], force=force)
+        check_output(grid_out, kind=GRID_SPEC, inputs=[monitor, base_config], force=force)
     recommendation = run_recommend(config)
     if grid_out is not None:
-        with claimed_outputs([grid_out], force=force):
+        with claimed_outputs([grid_out], kind=GRID_SPEC, inputs=[monitor, base_config], force=force):
             text = comparison_grid(recommendation, base=base_config, out=grid_out, seeds=grid_seeds)
             atomic_write_text(text, grid_out)
         click.echo(f"wrote {grid_out}", err=True)

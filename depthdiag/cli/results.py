@@ -56,8 +56,9 @@ def _export_csv(rows: list[dict], csv_out: str | None, force: bool) -> bool:
         return True
     from common.atomic import atomic_write_text
     from common.lock import claimed_outputs
+    from common.outputs import SUMMARY_CSV
 
-    with claimed_outputs([csv_out], force=force):
+    with claimed_outputs([csv_out], kind=SUMMARY_CSV, force=force):
         atomic_write_text(text, csv_out)
     click.echo(f"wrote {csv_out}", err=True)
     return False
@@ -112,9 +113,9 @@ def summarize(
         # `--csv a.h5 b.h5` reads a.h5 as the CSV's name: never write over a results file.
         raise InputError(f"--csv {csv_out}: names a results file; put --csv after the RESULTS or name a .csv file")
     if csv_out not in (None, "-"):
-        from common.lock import refuse_existing
+        from common.outputs import SUMMARY_CSV, check_output
 
-        refuse_existing([Path(csv_out)], force=force)
+        check_output(csv_out, kind=SUMMARY_CSV, inputs=results, force=force)
     if _monitor_file(results) is not None:
         _summarize_monitor(results[0], as_json, options, csv_out, force)
         return
@@ -169,12 +170,11 @@ def plot(results: tuple[Path, ...], figure_number: str, out: Path, force: bool, 
     `--figure map` draws the update-depth x serving-depth map (seed-level means, or batch
     means for one file); `--figure monitor` draws a run's RUN/monitor.h5; `--figure curves` a
     run directory's metrics.jsonl (`depthdiag plot runs/tiny --figure curves --out curves.png`)."""
-    from analysis.figures import figure4, figure_paths, monitor_figure, save_figure, update_depth_map_figure
+    from analysis.figures import check_figure, figure4, monitor_figure, save_figure, update_depth_map_figure
     from analysis.monitor import open_monitor
     from analysis.store import open_results
-    from common.lock import refuse_existing
 
-    refuse_existing(figure_paths(out), force=force)
+    check_figure(out, inputs=results, force=force)
     if figure_number == "curves":
         _plot_curves(results, out, force)
         return
@@ -202,7 +202,7 @@ def plot(results: tuple[Path, ...], figure_number: str, out: Path, force: bool, 
                 fig = figure4(ds, options=options)
     for warning in caught:
         click.echo(f"depthdiag: warning: {warning.message}", err=True)
-    for path in save_figure(fig, out, force=force):
+    for path in save_figure(fig, out, force=force, inputs=results):
         click.echo(f"wrote {path}")
 
 
@@ -221,7 +221,7 @@ def _plot_grid(results: tuple[Path, ...], figure_number: str, out: Path, force: 
     }[figure_number]
     with naming_files(results):
         fig = draw(open_grid(results[0]))
-    for path in figures.save_figure(fig, out, force=force):
+    for path in figures.save_figure(fig, out, force=force, inputs=results):
         click.echo(f"wrote {path}")
 
 
@@ -236,7 +236,7 @@ def _plot_curves(runs: tuple[Path, ...], out: Path, force: bool) -> None:
         fig = curves_figure(training_curves(runs[0]))
     for warning in caught:
         click.echo(f"depthdiag: warning: {warning.message}", err=True)
-    for path in save_figure(fig, out, force=force):
+    for path in save_figure(fig, out, force=force, inputs=runs):
         click.echo(f"wrote {path}")
 
 
@@ -276,5 +276,5 @@ def _plot_downstream(results: tuple[Path, ...], out: Path, force: bool) -> None:
 
     with naming_files(results):
         fig = figure3_downstream(open_downstream(results))
-    for path in save_figure(fig, out, force=force):
+    for path in save_figure(fig, out, force=force, inputs=results):
         click.echo(f"wrote {path}")

@@ -18,6 +18,21 @@ from depthdiag.cli.options import (
 )
 
 
+def _train_kept(config_path: str, out: str | None, resume_dir: str | None, **_) -> str:
+    from trainer.checkpoint import latest_checkpoint
+
+    run_dir, _resume = resolve_run_dir(config_path, out, resume_dir)
+    newest = latest_checkpoint(run_dir) if run_dir.is_dir() else None
+    if newest is None:
+        return (
+            f"{run_dir} holds no checkpoint yet; start over with: depthdiag train {config_path} --out {run_dir} --force"
+        )
+    return (
+        f"{run_dir} keeps its checkpoints, the newest {newest.name}; "
+        f"resume with: depthdiag train {config_path} --resume {run_dir}"
+    )
+
+
 @click.command("train")
 @click.argument("config_path", metavar="CONFIG", type=click.Path(dir_okay=False))
 @click.option(
@@ -38,10 +53,21 @@ from depthdiag.cli.options import (
     default=None,
     help="Continue RUN_DIR from its newest checkpoint; the config must equal the stored one.",
 )
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Start over in an existing run directory depthdiag wrote (its checkpoints, snapshots and metrics "
+    "are deleted); anything else in --out is never deleted.",
+)
 @no_progress_option
-@reports_errors
+@reports_errors(kept=_train_kept)
 def train_run(
-    config_path: str, out: str | None, overrides: tuple[str, ...], resume_dir: str | None, no_progress: bool
+    config_path: str,
+    out: str | None,
+    overrides: tuple[str, ...],
+    resume_dir: str | None,
+    force: bool,
+    no_progress: bool,
 ) -> None:
     """Train the looped transformer CONFIG describes: metrics, checkpoints and
     switch-point snapshots go to the run directory, and with a [monitor] block the
@@ -65,12 +91,24 @@ def train_run(
     """
 
     # Imported here: torch takes seconds to load and `depthdiag --help` should not wait for it.
+    from common.outputs import check_output
     from diag.monitor import train_with_monitor
     from trainer.config import load_config
+    from trainer.distributed import resolve_device
+    from trainer.resources import check_memory
+    from trainer.train import RUN_DIRECTORY
 
     config = load_config(config_path, overrides)
+    # `train` checks this too, for every caller; here the refusal can name the config file.
+    check_memory(
+        config, resolve_device(config.train.device), int(os.environ.get("WORLD_SIZE", "1")), source=config_path
+    )
     run_dir, resume = resolve_run_dir(config_path, out, resume_dir)
-    summary = train_with_monitor(config, run_dir, resume=resume, progress=not no_progress)
+    if resume and force:
+        raise InputError("--resume and --force contradict each other: pick one")
+    if not resume:
+        check_output(run_dir, kind=RUN_DIRECTORY, inputs=[config_path], force=force)
+    summary = train_with_monitor(config, run_dir, resume=resume, force=force, progress=not no_progress)
     if os.environ.get("RANK", "0") == "0":
         click.echo(
             f"trained {summary.updates:,} updates into {summary.run_dir} "
@@ -106,12 +144,13 @@ def eval_checkpoint(
 ) -> None:
     """Mean token NLL of CHECKPOINT (a checkpoint or snapshot) at each serving depth on its
     evaluation set; for the bioS task also the recalled bits per person."""
+    from analysis.store import RESULTS_FILE
     from common.depths import parse_serving_depths
-    from common.lock import refuse_existing
+    from common.outputs import check_outputs
     from trainer.evaluate import evaluate_checkpoint, format_table
 
     depths = parse_serving_depths(serving, limit=max_depth)
-    refuse_existing([out] if out is not None else [], force=force)
+    check_outputs([out] if out is not None else [], kind=RESULTS_FILE, inputs=[checkpoint], force=force)
     ds = evaluate_checkpoint(checkpoint, depths, device=device, batch_size=batch_size, progress=not no_progress)
     click.echo(
         f"{checkpoint}: step {ds.attrs['step']}, {ds.attrs['uniform_updates']} uniform updates, "
@@ -121,7 +160,7 @@ def eval_checkpoint(
     if out is not None:
         from analysis.store import write_results
 
-        click.echo(f"wrote {write_results(ds, out, force=force)}")
+        click.echo(f"wrote {write_results(ds, out, force=force, inputs=[checkpoint])}")
 
 
 def resolve_run_dir(config_path: str | Path, out: str | Path | None, resume: str | Path | None) -> tuple[Path, bool]:
