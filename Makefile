@@ -74,7 +74,7 @@ $(RUNS)/seed%/summary.json: $(CONFIG) $(TRAINER_SOURCES) | $(VENV)/.installed
 	if [ -e $@ ]; then rm -rf $(RUNS)/seed$* $(RESULTS)/seed$*.h5 $(RESULTS)/seed$*.h5.parts \
 	  $(RESULTS)/map-seed$*.h5 $(RESULTS)/map-seed$*.h5.parts; fi
 	OMP_NUM_THREADS=$(THREADS) $(DEPTHDIAG) train $(CONFIG) --out $(RUNS)/seed$* --set train.seed=$* \
-	  $$(if [ -e $(RUNS)/seed$*/checkpoints/latest ]; then echo --resume $(RUNS)/seed$*; else echo --force; fi)
+	  $$(if ls $(RUNS)/seed$*/checkpoints/step_*.pt >/dev/null 2>&1; then echo --resume $(RUNS)/seed$*; else echo --force; fi)
 
 $(RESULTS)/seed%.h5: $(RUNS)/seed%/summary.json $(DIAG_SOURCES) analysis/store.py
 	mkdir -p $(dir $@)
@@ -232,7 +232,7 @@ FINISH_RUNS ?= runs/finishing-$(basename $(notdir $(PILOT_CONFIG)))
 $(PILOT)/summary.json: $(PILOT_CONFIG) $(TRAINER_SOURCES) $(DIAG_SOURCES) | $(VENV)/.installed
 	if [ -e $@ ]; then rm -rf $(PILOT) $(FINISHING) $(FINISH_RUNS); fi
 	OMP_NUM_THREADS=$(THREADS) $(DEPTHDIAG) train $(PILOT_CONFIG) --out $(PILOT) --set train.seed=0 $(PILOT_OPTIONS) \
-	  $$(if [ -e $(PILOT)/checkpoints/latest ]; then echo --resume $(PILOT); else echo --force; fi)
+	  $$(if ls $(PILOT)/checkpoints/step_*.pt >/dev/null 2>&1; then echo --resume $(PILOT); else echo --force; fi)
 
 $(FINISHING)/grid.toml: $(PILOT)/summary.json $(ANALYSIS_SOURCES)
 	mkdir -p $(dir $@)

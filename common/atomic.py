@@ -33,9 +33,11 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
     error, move it over `path`. The directory must exist.
 
     The temporary file keeps `path`'s suffix, so writers that infer the format from the
-    name (matplotlib's savefig) behave as for the final name.
+    name (matplotlib's savefig) behave as for the final name. A symlinked `path` stays a
+    link: the file it leads to is the one replaced.
     """
-    path = Path(path)
+    given = Path(path)
+    path = Path(os.path.realpath(given))
     tmp = _new_temporary(path)
     tmp_name = str(tmp)
     try:
@@ -49,7 +51,7 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
             if err.filename not in (None, tmp_name):
                 raise
             # Name the file the user asked for, not the temporary one.
-            raise OSError(err.errno, err.strerror or str(err).splitlines()[0], str(path)) from None
+            raise OSError(err.errno, err.strerror or str(err).splitlines()[0], str(given)) from None
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -61,9 +63,11 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
     caller decides whether it may). The parent directory must exist.
 
     Readers see the old folder or the new one, each complete; between the two renames of a
-    replacement `path` is briefly absent.
+    replacement `path` is briefly absent, with Ctrl-C and SIGTERM held off so that an
+    interrupt cannot leave it so. A symlinked `path` stays a link to the folder replaced.
     """
-    path = Path(path)
+    given = Path(path)
+    path = Path(os.path.realpath(given))
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=temporary_suffix(path), dir=path.parent))
     try:
         os.chmod(tmp, 0o777 & ~_umask())
@@ -75,20 +79,21 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
         if path.exists():
             # rename() replaces an empty folder only: move the old one aside first.
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=temporary_suffix(path), dir=path.parent))
-            os.replace(path, old)
-            try:
-                os.replace(tmp, path)
-            except OSError:
-                os.replace(old, path)
-                raise
-            shutil.rmtree(old)
+            with interrupts_deferred():
+                os.replace(path, old)
+                try:
+                    os.replace(tmp, path)
+                except OSError:
+                    os.replace(old, path)
+                    raise
+                shutil.rmtree(old)
         else:
             os.replace(tmp, path)
     except OSError as err:
         if err.filename is None or str(tmp) not in str(err.filename):
             raise
         # Name the folder the user asked for, not the temporary one.
-        named = str(err.filename).replace(str(tmp), str(path))
+        named = str(err.filename).replace(str(tmp), str(given))
         raise OSError(err.errno, err.strerror or str(err).splitlines()[0], named) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -102,7 +107,7 @@ def atomic_outputs(paths: Iterable[str | os.PathLike]) -> Iterator[list[Path]]:
 
     Nothing is renamed before every member is written and on disk. On any error until then,
     Ctrl-C included, every temporary is removed and no member is replaced. SIGINT and SIGTERM that
-    arrive during the renames take effect once they are all done (`_interrupts_deferred`).
+    arrive during the renames take effect once they are all done (`interrupts_deferred`).
 
     What can still split the set, leaving each file complete, the old version or the new:
     a rename that fails part-way (say the folder was made read-only in between) leaves the
@@ -111,9 +116,10 @@ def atomic_outputs(paths: Iterable[str | os.PathLike]) -> Iterator[list[Path]]:
     for the next writer holding the lock to remove (`remove_stale_temporaries`).
     """
     paths = [Path(path) for path in paths]
+    real = [Path(os.path.realpath(path)) for path in paths]  # a symlinked member stays a link
     temporaries: list[Path] = []
     try:
-        for path in paths:
+        for path in real:
             temporaries.append(_new_temporary(path))
         try:
             yield temporaries
@@ -129,8 +135,8 @@ def atomic_outputs(paths: Iterable[str | os.PathLike]) -> Iterator[list[Path]]:
                     os.fsync(handle.fileno())
             except OSError as err:
                 raise OSError(err.errno, err.strerror or str(err).splitlines()[0], str(path)) from None
-        with _interrupts_deferred():
-            for path, tmp in zip(paths, temporaries):
+        with interrupts_deferred():
+            for path, tmp in zip(real, temporaries):
                 os.replace(tmp, path)
     except OSError as err:
         named = {str(tmp): str(path) for path, tmp in zip(paths, temporaries)}
@@ -147,7 +153,7 @@ _INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextlib.contextmanager
-def _interrupts_deferred() -> Iterator[None]:
+def interrupts_deferred() -> Iterator[None]:
     """Hold SIGINT and SIGTERM back for the block, then let each take effect as it would have.
 
     Blocking them with `signal.pthread_sigmask` would not do: it blocks them for this thread
@@ -221,7 +227,7 @@ def temporary_suffix(path: Path) -> str:
 _RANDOM = r"[a-z0-9_]{8}"
 
 
-def _is_temporary_of(name: str, target: str) -> bool:
+def is_temporary_of(name: str, target: str) -> bool:
     """Whether the file name `name` is one of `atomic_output`'s temporaries of `target`."""
     pattern = re.escape(f".{target}.") + _RANDOM + re.escape(temporary_suffix(Path(target)))
     return re.fullmatch(pattern, name) is not None
@@ -241,11 +247,17 @@ def remove_stale_temporaries(path: str | os.PathLike) -> list[Path]:
         return []
     removed = []
     for name in sorted(names):
-        if _is_temporary_of(name, path.name):
+        if is_temporary_of(name, path.name):
             stale = path.parent / name
             _remove(stale)
             removed.append(stale)
     return removed
+
+
+def is_temporary(name: str) -> bool:
+    """Whether the file name `name` is one of `atomic_output`'s temporaries, of any target."""
+    match = re.fullmatch(r"\.(.+)\." + _RANDOM + r"\.tmp(.*)", name)
+    return match is not None and is_temporary_of(name, match.group(1))
 
 
 def remove_stale_temporaries_in(directory: str | os.PathLike) -> list[Path]:
@@ -258,8 +270,7 @@ def remove_stale_temporaries_in(directory: str | os.PathLike) -> list[Path]:
         return []
     removed = []
     for name in sorted(names):
-        match = re.fullmatch(r"\.(.+)\." + _RANDOM + r"\.tmp(.*)", name)
-        if match and _is_temporary_of(name, match.group(1)):
+        if is_temporary(name):
             stale = directory / name
             _remove(stale)
             removed.append(stale)

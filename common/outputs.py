@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.atomic import temporary_suffix
+from common.atomic import interrupts_deferred, is_temporary_of, temporary_suffix
 from common.errors import InputError
 
 WRITTEN_BY = "depthdiag"
@@ -76,7 +76,7 @@ def _exists(path: Path, folder: bool) -> bool:
     does not for a folder output."""
     if not os.path.lexists(path):
         return False
-    if folder and path.is_dir() and not path.is_symlink():
+    if folder and path.is_dir():
         return any(path.iterdir())
     return True
 
@@ -161,7 +161,9 @@ def _is_figure(path: Path) -> bool:
     metadata (JPEG) is recognised by the marked PDF written beside it."""
     if not path.is_file():
         return False
-    return _has_mark(path) or (path.suffix.lower() != ".pdf" and _has_mark(path.with_suffix(".pdf")))
+    if path.suffix.lower() in _FIGURE_MARKS:
+        return _has_mark(path)
+    return _has_mark(path.with_suffix(".pdf"))
 
 
 def _first_line(path: Path) -> str:
@@ -190,16 +192,23 @@ def json_file(path: Path) -> dict | None:
 
 
 def _unexpected_entries(folder: Path, names: Iterable[str]) -> list[str]:
-    """The entries of `folder` other than `names` and hidden files (locks and the temporaries of
-    interrupted writes), sorted."""
+    """The entries of `folder` other than `names`, their locks and the temporaries interrupted
+    writes of them left, sorted. Any other hidden file (a `.git`, a `.env`) is unexpected: a
+    folder holding one is not depthdiag's to replace."""
     allowed = set(names)
-    return sorted(
-        entry.name for entry in folder.iterdir() if entry.name not in allowed and not entry.name.startswith(".")
-    )
+
+    def own(name: str) -> bool:
+        return (
+            name in allowed
+            or (name.startswith(".") and name.endswith(".lock") and name[1:-5] in allowed)
+            or any(is_temporary_of(name, target) for target in allowed)
+        )
+
+    return sorted(entry.name for entry in folder.iterdir() if not own(entry.name))
 
 
 def only_entries(folder: Path, names: Iterable[str]) -> bool:
-    """Whether `folder` holds nothing but entries named in `names` and hidden files."""
+    """Whether `folder` holds nothing but entries named in `names`, their locks and temporaries."""
     try:
         return not _unexpected_entries(folder, names)
     except OSError:
@@ -214,12 +223,16 @@ GRID_SPEC = OutputKind("grid spec", _is_grid_spec)
 def empty_folder(folder: str | os.PathLike) -> None:
     """Delete everything in `folder` (an output `--force` replaces), keeping the folder itself
     (it may be a symlink to where the user wants the run). The entries are first moved into
-    a temporary folder beside it, one rename each, so that an interruption leaves each entry
-    either in place or in a temporary that the next holder of the output's lock removes."""
+    a temporary folder beside it, one rename each, then deleted; only `kill -9` can stop it
+    half-way, leaving each entry in place or in a temporary that the next holder of the
+    output's lock removes."""
     folder = Path(os.path.realpath(folder))
     if not folder.is_dir():
         return
-    trash = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=temporary_suffix(folder), dir=folder.parent))
-    for entry in list(folder.iterdir()):
-        os.replace(entry, trash / entry.name)
-    shutil.rmtree(trash)
+    # Interrupts wait until it is done: a folder half emptied would be neither the old output
+    # nor a fresh start, and a trash folder left behind would break the promise of no temporaries.
+    with interrupts_deferred():
+        trash = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=temporary_suffix(folder), dir=folder.parent))
+        for entry in list(folder.iterdir()):
+            os.replace(entry, trash / entry.name)
+        shutil.rmtree(trash)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import shutil
 import sys
 from collections.abc import Iterator
@@ -47,13 +48,13 @@ import torch
 import xarray as xr
 
 from analysis.store import RESULTS_FILE, describe_results, write_dataset
-from common.atomic import atomic_output, remove_stale_temporaries_in
+from common.atomic import atomic_output, is_temporary, remove_stale_temporaries_in
 from common.benefit import benefit_description
 from common.choices import DEVICE_CHOICES, EVAL_SET_CHOICES
 from common.depths import MAX_SERVING_DEPTH, SERVING_DEPTHS, UPDATE_DEPTHS
 from common.errors import InputError
 from common.lock import exclusive_output
-from common.outputs import refuse_inputs, refuse_unrecognized
+from common.outputs import OutputKind, refuse_inputs, refuse_unrecognized
 from common.progress import progress_bar
 from common.provenance import provenance
 from diag.adapter import AdaptedModel, adapter_config_json, load_adapter
@@ -316,11 +317,27 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+_PART_NAME = re.compile(r".+\.b\d{5}\.h5")
+
+
+def _is_parts_folder(parts: Path) -> bool:
+    """An OUT.parts/ diagnose wrote: its manifest, unit files and temporaries of them alone."""
+    return parts.is_dir() and all(
+        entry.name == MANIFEST or _PART_NAME.fullmatch(entry.name) or is_temporary(entry.name)
+        for entry in parts.iterdir()
+    )
+
+
+PARTS_FOLDER = OutputKind("diagnose parts folder", _is_parts_folder, folder=True)
+"""What `--force` may discard beside OUT: the finished units of an earlier run on OUT."""
+
+
 def _prepare(config: DiagnoseConfig, entries: list[_Entry], manifest: dict, out: Path, parts: Path) -> bool:
     """Check what is on disk against the flags; return False when OUT already holds this run.
     Called with OUT's lock held: nothing here can belong to a live run."""
     if parts.exists():
         if config.force:
+            refuse_unrecognized(parts, kind=PARTS_FOLDER)
             shutil.rmtree(parts)
         elif not config.resume:
             raise InputError(

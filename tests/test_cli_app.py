@@ -171,3 +171,31 @@ def test_a_symbolic_link_loop_is_named_as_one_not_as_a_missing_file(tmp_path, co
     extra = {"diagnose": ["--out", str(tmp_path / "r.h5")], "export": ["--out", str(tmp_path / "x")]}
     code, out, err = run(command, str(loop), *extra.get(command, []))
     assert code == 2 and err == f"depthdiag: error: {loop}: symbolic link loop (a link that leads back to itself)\n"
+
+
+def test_an_interrupt_outside_a_commands_work_and_under_debug(monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("trainer.flops.flops_report", interrupted)
+    code, out, err = run("flops", "configs/tiny.toml")
+    assert code == 130 and err.splitlines()[-1].startswith("depthdiag: interrupted (SIGINT): nothing was written")
+    with pytest.raises(KeyboardInterrupt):  # --debug: the interrupt itself, with its traceback
+        CliRunner().invoke(main, ["--debug", "flops", "configs/tiny.toml"], prog_name="depthdiag")
+
+
+def test_a_bare_group_shows_its_help_not_an_error_line():
+    for args in ([], ["grid"]):
+        code, out, err = run(*args)
+        assert "Usage:" in out + err and "error:" not in err
+
+
+def test_the_resume_advice_repeats_the_overrides(tmp_path):
+    from depthdiag.cli.train import _train_kept
+
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "step_000004.pt").write_bytes(b"")
+    line = _train_kept(str(tmp_path / "my config.toml"), str(tmp_path / "run"), ("train.seed=3",), None)
+    assert line.endswith(
+        f"resume with: depthdiag train '{tmp_path}/my config.toml' --set train.seed=3 --resume {tmp_path}/run"
+    )

@@ -178,3 +178,67 @@ def test_summarize_and_plot_never_overwrite_their_input_or_a_strangers_file(tmp_
     table = tmp_path / "table.csv"
     table.write_text("a,b\n1,2\n")
     _one_line(_run("summarize", results_file, "--csv", table, "--force"), "is not a summary table")
+
+
+def test_force_never_deletes_hidden_files_of_yours_in_a_folder_it_would_replace(tmp_path, tiny_config, tiny_run):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(tiny_run, run_dir)
+    (run_dir / ".git").mkdir()
+    line = _one_line(_run("train", tiny_config, "--out", run_dir, "--force"), "holds files depthdiag does not write")
+    assert "(.git)" in line and (run_dir / ".git").is_dir()
+
+
+def test_a_symlinked_output_stays_a_link_to_the_file_written(tmp_path, tiny_run, results_file):
+    import shutil
+
+    target = tmp_path / "elsewhere" / "table.csv"
+    target.parent.mkdir()
+    link = tmp_path / "table.csv"
+    assert _run("summarize", results_file, "--csv", target).exit_code == 0
+    link.symlink_to(target)
+    target.write_text(target.read_text() + "an older table\n")
+    assert _run("summarize", results_file, "--csv", link, "--force").exit_code == 0
+    assert link.is_symlink() and "an older table" not in target.read_text()
+    folder = tmp_path / "exports"
+    folder.mkdir()
+    (tmp_path / "export-link").symlink_to(folder)
+    checkpoint = next((tiny_run / "checkpoints").glob("step_*.pt"))
+    for flags in ([], ["--force"]):
+        assert _run("export", checkpoint, "--out", tmp_path / "export-link", *flags).exit_code == 0
+        assert (tmp_path / "export-link").is_symlink() and (folder / "model.safetensors").is_file()
+    shutil.rmtree(folder)
+
+
+def test_empty_folder_finishes_before_an_interrupt_takes_effect(tmp_path, monkeypatch):
+    import signal
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for name in ("a", "b", "c"):
+        (folder / name).write_text(name)
+    real_replace = os.replace
+
+    def interrupted_replace(source, target):
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C after the first entry has moved
+        monkeypatch.setattr(os, "replace", real_replace)
+        return real_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", interrupted_replace)
+    with pytest.raises(KeyboardInterrupt):
+        empty_folder(folder)
+    assert list(folder.iterdir()) == [] and [p.name for p in tmp_path.iterdir()] == ["run"]
+
+
+def test_diagnose_force_discards_only_a_parts_folder_diagnose_wrote(tmp_path, tiny_run):
+    snapshot = next((tiny_run / "snapshots").glob("*.pt"))
+    out = tmp_path / "r.h5"
+    parts = tmp_path / "r.h5.parts"
+    parts.mkdir()
+    (parts / "thesis.tex").write_text("mine")
+    _one_line(
+        _run("diagnose", snapshot, "--out", out, "--force", "--batches", 1),
+        f"{parts}: exists and is not a diagnose parts",
+    )
+    assert (parts / "thesis.tex").read_text() == "mine"

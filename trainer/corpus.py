@@ -20,7 +20,8 @@ Steps, each deterministic:
 5. Write corpus.txt and manifest.json (package, version, sha256s, the documents
    of each split and their sizes) atomically, holding a lock on the output, and
    check the corpus's own sha256 against its pin, so every machine trains on the
-   same bytes.
+   same bytes. A rebuild replaces them without --force: what is written is fixed by
+   the pins, so it can only replace the same bytes (or a corpus.txt edited by hand).
 
 This module imports neither torch nor numpy.
 """
@@ -28,8 +29,6 @@ This module imports neither torch nor numpy.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -39,13 +38,14 @@ import tarfile
 import tempfile
 import unicodedata
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from common.atomic import atomic_output, atomic_write_text
 from common.digest import file_sha256
 from common.errors import InputError
+from common.lock import exclusive_output
 
 HELD_OUT_FRACTION = 0.1
 """Must equal trainer.data.TEXT_HELD_OUT_FRACTION (a test checks); repeated here so
@@ -268,17 +268,6 @@ def build_text(
     return text, manifest
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise InputError(f"{path}: another process is writing it") from None
-        yield
-
-
 def build_corpus(
     spec: CorpusSpec,
     out: Path,
@@ -288,7 +277,7 @@ def build_corpus(
     """Fetch, verify, extract and write `out` (corpus.txt) and manifest.json beside
     it. Returns the manifest."""
     out = Path(out)
-    with _locked(out):
+    with exclusive_output(out):
         archive = fetch(spec, Path(cache), downloader)
         origin = f"{archive}:{spec.member}"
         text, manifest = build_text(spec.parse(read_member(archive, spec.member), origin), origin=origin)

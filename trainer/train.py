@@ -234,8 +234,7 @@ def train(
     check_extras(config)
     world = init_world(config.train.device)
     try:
-        check_memory(config, world.device, world.world_size)  # before the lock, which makes folders
-        with _run_dir_lock(run_dir, world, fresh=not resume, force=force):
+        with _run_dir_lock(config, run_dir, world, fresh=not resume, force=force):
             run = _set_up(config, run_dir, world, resume=resume)
             sinks = build_sinks(config, run_dir, start=run.start) if world.is_main else []
             try:
@@ -249,28 +248,30 @@ def train(
 
 
 @contextlib.contextmanager
-def _run_dir_lock(run_dir: Path, world: World, *, fresh: bool, force: bool) -> Iterator[None]:
-    """Hold the run directory's lock (rank 0) for the block; for a `fresh` run, refuse an
-    existing run directory unless `force`, which replaces one depthdiag wrote (common/outputs.py).
-    Every rank learns whether rank 0 got it before any other collective, so under torchrun a
-    refusal ends every rank with the same InputError instead of leaving the others waiting at
-    a barrier."""
+def _run_dir_lock(config: RunConfig, run_dir: Path, world: World, *, fresh: bool, force: bool) -> Iterator[None]:
+    """Check that the run fits in each rank's device memory (trainer/resources.py, before
+    anything is written), then hold the run directory's lock (rank 0) for the block; for a
+    `fresh` run, refuse an existing run directory unless `force`, which replaces one depthdiag
+    wrote (common/outputs.py). Every rank learns whether all were willing before any other
+    collective, so under torchrun a refusal ends every rank with an InputError instead of
+    leaving the others waiting at a barrier."""
     with contextlib.ExitStack() as stack:
         refusal = None
-        if world.is_main:
-            try:
+        try:
+            check_memory(config, world.device, world.world_size)
+            if world.is_main:
                 stack.enter_context(exclusive_output(run_dir))
                 if fresh:
                     check_output(run_dir, kind=RUN_DIRECTORY, force=force)
                     if force:
                         empty_folder(run_dir)
-            except InputError as err:
-                refusal = err
-        refused = all_gather_ints(world, int(refusal is not None))[0]
+        except InputError as err:
+            refusal = err
+        refused = all_gather_ints(world, int(refusal is not None))
         if refusal is not None:
             raise refusal
-        if refused:
-            raise InputError(f"{run_dir}: in use by another depthdiag process (rank 0 could not take its lock)")
+        if any(refused):
+            raise InputError(f"{run_dir}: rank {refused.index(1)} refused the run (its error line says why)")
         yield
 
 

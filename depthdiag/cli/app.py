@@ -12,7 +12,7 @@ import click
 
 from common.errors import EXIT_BAD_INPUT, EXIT_RUN_FAILED, InputError, RunFailed
 from common.heap import keep_freed_memory
-from common.signals import EXIT_SIGINT, interrupt_exit, terminate_raises
+from common.signals import interrupt_exit, terminate_raises
 
 
 def _os_error_line(err: OSError) -> str:
@@ -44,7 +44,7 @@ def reports_errors(command=None, *, kept: Callable[..., str] | None = None):
             if _debug():
                 raise
             name, code = interrupt_exit(err)
-            click.echo(f"depthdiag: interrupted ({name}): {kept(**kwargs) if kept else NOTHING_WRITTEN}", err=True)
+            click.echo(f"depthdiag: interrupted ({name}): {_what_was_kept(kept, kwargs)}", err=True)
             sys.exit(code)
         except (InputError, RunFailed, OSError) as err:
             if _debug():
@@ -61,6 +61,15 @@ def reports_errors(command=None, *, kept: Callable[..., str] | None = None):
     return wrapper
 
 
+def _what_was_kept(kept: Callable[..., str] | None, params: dict) -> str:
+    if kept is None:
+        return NOTHING_WRITTEN
+    try:
+        return kept(**params)
+    except Exception:  # the interrupt is what matters; a kept line that cannot be made gives way
+        return "the outputs written so far are kept"
+
+
 def _debug() -> bool:
     return bool(click.get_current_context().find_root().params.get("debug"))
 
@@ -75,16 +84,26 @@ class OneLineErrors(click.Group):
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as err:
+            err.show()  # a bare `depthdiag` or `depthdiag grid`: the help, as click shows it
+            sys.exit(err.exit_code)
         except click.ClickException as err:
             where = err.ctx.command_path if getattr(err, "ctx", None) is not None else (prog_name or "depthdiag")
             problem = " ".join(err.format_message().split())
             hint = f" (see {where} --help)" if isinstance(err, click.UsageError) else ""
             click.echo(f"depthdiag: error: {where}: {problem}{hint}", err=True)
             sys.exit(err.exit_code)
-        except click.Abort:
-            # Ctrl-C while click itself was working (parsing, before a command ran).
-            click.echo("depthdiag: interrupted (SIGINT): nothing was written", err=True)
-            sys.exit(EXIT_SIGINT)
+        except click.Abort as err:
+            # An interrupt `reports_errors` let through (--debug) or that came while click itself
+            # was working (parsing, before a command ran).
+            interrupt = err.__cause__
+            if not isinstance(interrupt, KeyboardInterrupt):
+                raise
+            if "--debug" in (sys.argv[1:] if args is None else list(args)):
+                raise interrupt from None
+            name, code = interrupt_exit(interrupt)
+            click.echo(f"depthdiag: interrupted ({name}): {NOTHING_WRITTEN}", err=True)
+            sys.exit(code)
         sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from common.choices import (
@@ -21,7 +23,10 @@ from depthdiag.cli.options import (
 
 
 def _diagnose_kept(out: str, **_) -> str:
-    return f"{out}.parts keeps every finished unit; continue with the same command and --resume"
+    parts = Path(f"{out}.parts")
+    if not parts.is_dir():
+        return "no unit had finished; nothing was written"
+    return f"{parts} keeps every finished unit; continue with the same command and --resume"
 
 
 @click.command()

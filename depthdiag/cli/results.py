@@ -43,7 +43,7 @@ def _monitor_file(results: tuple[Path, ...]) -> Path | None:
     return monitors[0] if monitors else None
 
 
-def _export_csv(rows: list[dict], csv_out: str | None, force: bool) -> bool:
+def _export_csv(rows: list[dict], csv_out: str | None, force: bool, results: tuple[Path, ...]) -> bool:
     """Write the summary rows as CSV to `csv_out` (a file, atomically under its lock; '-': stdout);
     returns whether the CSV took stdout's place."""
     if csv_out is None:
@@ -58,7 +58,7 @@ def _export_csv(rows: list[dict], csv_out: str | None, force: bool) -> bool:
     from common.lock import claimed_outputs
     from common.outputs import SUMMARY_CSV
 
-    with claimed_outputs([csv_out], kind=SUMMARY_CSV, force=force):
+    with claimed_outputs([csv_out], kind=SUMMARY_CSV, inputs=results, force=force):
         atomic_write_text(text, csv_out)
     click.echo(f"wrote {csv_out}", err=True)
     return False
@@ -71,7 +71,7 @@ def _summarize_monitor(path: Path, as_json: bool, options: IntervalOptions, csv_
 
     ds = open_monitor(path)
     rows = monitor_summary_table(ds, options=options)
-    if _export_csv(rows, csv_out, force):
+    if _export_csv(rows, csv_out, force, (path,)):
         return
     if as_json:
         click.echo(json_text(monitor_summary_document(path, ds, rows, options)))
@@ -129,7 +129,7 @@ def summarize(
         rows = summary_table(ds, options=options)
         has_switch = 0 in ds["uniform_updates"].values
         phase = finishing_phase(ds, options=options) if has_switch else None
-    if _export_csv(rows, csv_out, force):
+    if _export_csv(rows, csv_out, force, results):
         return
     if as_json:
         click.echo(json_text(summary_document(results, rows, phase, options, [warning] if warning else [])))

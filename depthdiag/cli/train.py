@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 
 import click
@@ -18,19 +19,18 @@ from depthdiag.cli.options import (
 )
 
 
-def _train_kept(config_path: str, out: str | None, resume_dir: str | None, **_) -> str:
+def _train_kept(config_path: str, out: str | None, overrides: tuple[str, ...], resume_dir: str | None, **_) -> str:
     from trainer.checkpoint import latest_checkpoint
 
     run_dir, _resume = resolve_run_dir(config_path, out, resume_dir)
     newest = latest_checkpoint(run_dir) if run_dir.is_dir() else None
+    # The same overrides: a resume refuses a config that differs from the stored one.
+    command = ["depthdiag", "train", config_path, *(word for value in overrides for word in ("--set", value))]
     if newest is None:
-        return (
-            f"{run_dir} holds no checkpoint yet; start over with: depthdiag train {config_path} --out {run_dir} --force"
-        )
-    return (
-        f"{run_dir} keeps its checkpoints, the newest {newest.name}; "
-        f"resume with: depthdiag train {config_path} --resume {run_dir}"
-    )
+        restart = shlex.join([*command, "--out", str(run_dir), "--force"])
+        return f"{run_dir} holds no checkpoint yet; start over with: {restart}"
+    resume = shlex.join([*command, "--resume", str(run_dir)])
+    return f"{run_dir} keeps its checkpoints, the newest {newest.name}; resume with: {resume}"
 
 
 @click.command("train")
@@ -99,10 +99,10 @@ def train_run(
     from trainer.train import RUN_DIRECTORY
 
     config = load_config(config_path, overrides)
-    # `train` checks this too, for every caller; here the refusal can name the config file.
-    check_memory(
-        config, resolve_device(config.train.device), int(os.environ.get("WORLD_SIZE", "1")), source=config_path
-    )
+    if "WORLD_SIZE" not in os.environ:
+        # `train` checks this too, for every caller (under torchrun on each rank's own device,
+        # its verdict shared by all); here the refusal can name the config file.
+        check_memory(config, resolve_device(config.train.device), source=config_path)
     run_dir, resume = resolve_run_dir(config_path, out, resume_dir)
     if resume and force:
         raise InputError("--resume and --force contradict each other: pick one")
