@@ -15,11 +15,16 @@ clones of theta and S, Delta(0), the NLL of theta itself); `compare_updates`
 is the one-shot wrapper. Neither touches the model or the optimizer: all
 forwards go through `torch.func.functional_call` on clones.
 
-A model from another codebase is checked before anything is computed, each problem a
-one-sentence InputError naming the fix: a forward that takes no `depth_kwarg`, an output
-that is neither logits nor an object with `.logits`, token ids beyond the logits' last
-dimension. `compare_updates` warns (BiasCorrectionWarning) when Adam's state is too young
-for the comparison to mean much.
+A model from another codebase is measured or refused, never silently mismeasured; each
+problem is a one-sentence InputError naming the fix: a forward that takes no `depth_kwarg`,
+or whose output does not change with it (a `**kwargs` forward swallows a wrong keyword), an
+output that is neither logits nor an object with `.logits`, token ids beyond the logits'
+last dimension, trainable parameters that get no gradient at an update depth (a loop run
+without gradient). Every forward runs from one fixed random stream (common random numbers,
+`CRN_SEED`), so a model that draws noise in its forward (a random initial state) is compared
+fairly and reproducibly, and the caller's RNG states are left as they were; the unit's
+`random_forward` attribute says whether the forward drew any. `compare_updates` warns
+(BiasCorrectionWarning) when Adam's state is too young for the comparison to mean much.
 """
 
 from __future__ import annotations
@@ -157,6 +162,43 @@ def match_rms(updates: Sequence[Sequence[Tensor]], mode: str) -> tuple[list[list
     return [[t * s for t in u] for u, s in zip(updates, scales)], scales
 
 
+CRN_SEED = 20260
+"""The seed of the random stream every forward of the diagnostic starts from."""
+
+
+@contextlib.contextmanager
+def common_random_numbers() -> Iterator[None]:
+    """Run the block from the fixed random stream CRN_SEED (the CPU's and every initialised
+    CUDA device's), and give the caller's RNG states back afterwards, exactly as they were."""
+    # Seeding CUDA before it is initialised would queue a seed for whenever it is: only the
+    # devices already in use are forked and seeded.
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.default_generator.manual_seed(CRN_SEED)
+        for index in cuda:
+            torch.cuda.default_generators[index].manual_seed(CRN_SEED)
+        yield
+
+
+def _rng_states() -> list[Tensor]:
+    cuda = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
+    return [torch.get_rng_state(), *(torch.cuda.get_rng_state(index) for index in cuda)]
+
+
+def _accepted_keywords(model: nn.Module) -> str:
+    """The keywords `model.forward` names, for messages."""
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return "its keywords are not readable"
+    keywords = [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if parameters and parameters[0].kind is not parameters[0].KEYWORD_ONLY:
+        keywords = keywords[1:]  # the first is the input ids
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        keywords.append("**kwargs")
+    return ", ".join(keywords) if keywords else "no keyword besides the input"
+
+
 def _check_depth_kwarg(model: nn.Module, depth_kwarg: str) -> None:
     """Refuse a `depth_kwarg` the model's forward cannot take, listing the keywords it can."""
     try:
@@ -168,13 +210,10 @@ def _check_depth_kwarg(model: nn.Module, depth_kwarg: str) -> None:
     keywords = [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     if depth_kwarg in keywords:
         return
-    if parameters and parameters[0].kind is not parameters[0].KEYWORD_ONLY:
-        keywords = keywords[1:]  # the first is the input ids
-    accepted = ", ".join(keywords) if keywords else "no keyword besides the input"
     raise InputError(
         f"depth_kwarg={depth_kwarg!r}: {type(model).__name__}.forward takes no keyword {depth_kwarg!r} "
-        f"(it accepts {accepted}); depth_kwarg names the keyword that sets the number of loop iterations, "
-        "e.g. depth_kwarg='num_steps' for Huginn-style models"
+        f"(it accepts {_accepted_keywords(model)}); depth_kwarg names the keyword that sets the number of "
+        "loop iterations, e.g. depth_kwarg='num_steps' for Huginn-style models"
     )
 
 
@@ -237,6 +276,22 @@ def _module_mode(model: nn.Module, *, training: bool) -> Iterator[None]:
             module.training = mode
 
 
+def _check_gradient_coverage(trainable: list[str], grads: Sequence[Tensor | None], depth: int) -> None:
+    """Refuse a gradient that leaves trainable parameters out: an update made of zeros there
+    would be measured as if those parameters did not matter."""
+    missing = [name for name, g in zip(trainable, grads) if g is None]
+    if not missing:
+        return
+    modules = list(dict.fromkeys(name.rsplit(".", 1)[0] if "." in name else name for name in missing))
+    shown = ", ".join(modules[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
+    raise InputError(
+        f"{len(missing)} of {len(trainable)} trainable parameters get no gradient at update depth {depth} "
+        f"({shown}); usually the model runs its loop without gradient for this call (Huginn-style models do "
+        "for an integer num_steps); call it as it trains, or freeze parameters the loss never reaches "
+        "(requires_grad=False)"
+    )
+
+
 class UpdateDiagnostic:
     """Everything one snapshot's units share: clones of theta and the optimizer state,
     Delta(0) (computed once, on first use) and the NLL of theta itself.
@@ -279,8 +334,9 @@ class UpdateDiagnostic:
         self.device = next(iter(values.values())).device if values else torch.device("cpu")
         self.eval_tokens = _check_tokens(eval_tokens, "eval_tokens").to(self.device)
         _check_depth_kwarg(model, options.depth_kwarg)
-        self.vocab_size = self._logits_width()
-        """V: the last dimension of the model's logits; every token id must be below it."""
+        self.vocab_size, self.random_forward = self._probe()
+        """V: the last dimension of the model's logits (every token id must be below it), and
+        whether the forward draws random numbers."""
         _check_vocabulary(self.eval_tokens, "eval_tokens", self.vocab_size)
         targets = self.eval_tokens[:, 1:]
         if eval_mask is not None:
@@ -306,29 +362,44 @@ class UpdateDiagnostic:
         # (running statistics) must not leak one pass into the next.
         return {**params, **{name: b.clone() for name, b in self.buffers.items()}}
 
-    def _logits_width(self) -> int:
-        """The last dimension of the model's logits, from one forward of token id 0 at the
-        shallowest serving depth: known before any token reaches the embedding, so a foreign
-        vocabulary is named instead of failing as an index error deep in the model. The input
-        has an evaluation chunk's shape, which compiled blocks have a graph for anyway. A
-        LoopedTransformer's width is its config's vocab_size, known without the forward, which
-        would otherwise cost every monitor check one more evaluation chunk."""
+    def _probe(self) -> tuple[int, bool]:
+        """(the last dimension of the model's logits, whether its forward draws random numbers),
+        from forwards of token id 0 at the shallowest and the deepest depth of the comparison:
+        the width is known before any token reaches the embedding, so a foreign vocabulary is
+        named instead of failing as an index error deep in the model, and a depth keyword the
+        forward ignores (swallowed by `**kwargs`) is refused. The input has an evaluation
+        chunk's shape, which compiled blocks have a graph for anyway. A LoopedTransformer needs
+        no probe: its width is its config's vocab_size, its depth keyword its own, and its
+        forward deterministic (noise comes from a generator seeded per call); the forwards
+        would otherwise cost every monitor check two more evaluation chunks."""
         if isinstance(self.model, LoopedTransformer):
-            return self.model.config.vocab_size
+            return self.model.config.vocab_size, False
         rows = min(self.options.eval_batch_size, self.eval_tokens.shape[0])
         probe = torch.zeros(rows, self.eval_tokens.shape[1] - 1, dtype=torch.long, device=self.device)
-        depth = min(self.options.serving_depths)
-        with torch.no_grad(), _module_mode(self.model, training=False):
-            output = torch.func.functional_call(
-                self.model, self._state(self.theta), (probe,), {self.options.depth_kwarg: depth}
-            )
-        logits = output_logits(output)
-        if logits.dim() != 3 or logits.shape[:2] != probe.shape:
+        depths = sorted({*self.options.serving_depths, *self.options.update_depths})
+        outputs, random = [], False
+        for depth in dict.fromkeys((depths[0], depths[-1])):
+            with torch.no_grad(), _module_mode(self.model, training=False), common_random_numbers():
+                before = _rng_states()
+                output = torch.func.functional_call(
+                    self.model, self._state(self.theta), (probe,), {self.options.depth_kwarg: depth}
+                )
+                random = random or any(not torch.equal(a, b) for a, b in zip(before, _rng_states()))
+            logits = output_logits(output)
+            if logits.dim() != 3 or logits.shape[:2] != probe.shape:
+                raise InputError(
+                    f"the model's forward returned logits of shape {list(logits.shape)} for input ids of shape "
+                    f"{list(probe.shape)}; it must return logits [B, T, V], one row of V per input token"
+                )
+            outputs.append(logits)
+        if len(outputs) == 2 and torch.equal(outputs[0], outputs[1]):
             raise InputError(
-                f"the model's forward returned logits of shape {list(logits.shape)} for input ids of shape "
-                f"{list(probe.shape)}; it must return logits [B, T, V], one row of V per input token"
+                f"depth_kwarg={self.options.depth_kwarg!r}: {type(self.model).__name__}'s output is the same at "
+                f"{self.options.depth_kwarg}={depths[0]} and {depths[-1]}, so the keyword does not set its depth "
+                f"(its forward accepts {_accepted_keywords(self.model)}); name the keyword that sets the number "
+                "of loop iterations, e.g. depth_kwarg='num_steps' for Huginn-style models"
             )
-        return int(logits.shape[-1])
+        return int(outputs[0].shape[-1]), random
 
     def check_batch(self, batch: Tensor, name: str = "batch") -> Tensor:
         """`batch` as int64 on the model's device; InputError unless it is token ids [B, T+1]
@@ -343,16 +414,17 @@ class UpdateDiagnostic:
         parameters as `clip_grad_norm_(model.parameters())` does in training."""
         batch = self.check_batch(batch)
         leaves = {name: t.detach().requires_grad_(self.requires_grad[name]) for name, t in self.theta.items()}
-        with torch.enable_grad():  # a caller's no_grad must not leave the loss without a graph
+        # a caller's no_grad must not leave the loss without a graph
+        with torch.enable_grad(), common_random_numbers():
             with forward_precision(self.device.type, self.options.precision), _module_mode(self.model, training=True):
                 output = torch.func.functional_call(
                     self.model, self._state(leaves), (batch[:, :-1],), {self.options.depth_kwarg: int(depth)}
                 )
             # Training's loss (trainer/loss.py): summed, then divided by the counted targets.
             loss = summed_token_loss(output_logits(output), batch[:, 1:]) / float(counted_targets(batch))
-        trainable = [name for name in leaves if self.requires_grad[name]]
-        grads = torch.autograd.grad(loss, [leaves[n] for n in trainable], allow_unused=True)
-        grads = [torch.zeros_like(leaves[n]) if g is None else g for n, g in zip(trainable, grads)]
+            trainable = [name for name in leaves if self.requires_grad[name]]
+            grads = torch.autograd.grad(loss, [leaves[n] for n in trainable], allow_unused=True)
+        _check_gradient_coverage(trainable, grads, depth)
         clip_gradients_(grads, self.options.grad_clip)  # fresh tensors: scaled in place, as training's
         by_name = dict(zip(trainable, grads))
         flat = [by_name[n].float() if n in by_name else torch.zeros_like(self.theta[n]) for n in self.stepped]
@@ -381,7 +453,7 @@ class UpdateDiagnostic:
         if update is not None:
             for name, u in zip(self.stepped, update):
                 params[name] = params[name] + u
-        with _module_mode(self.model, training=False):
+        with _module_mode(self.model, training=False), common_random_numbers():
             nll = mean_nll_by_depth(
                 self.model,
                 self.eval_tokens,
@@ -443,6 +515,7 @@ class UpdateDiagnostic:
             "optimizer": self.step.optimizer_class,
             "grad_clip": float(opts.grad_clip or 0.0),
             "precision": opts.precision,
+            "random_forward": int(self.random_forward),
         }
         if len(set(lrs)) > 1:
             attrs["group_lrs"] = json.dumps(lrs)

@@ -586,6 +586,9 @@ def _assemble(config: DiagnoseConfig, entries: list[_Entry], manifest: dict, par
         "optimizer": str(unit_attrs["optimizer"]),
         "grad_clip": float(unit_attrs["grad_clip"]),
         "precision": str(unit_attrs["precision"]),
+        # 1 when the model's forward draws random numbers (every forward then ran from one fixed
+        # stream, diag/engine.py CRN_SEED); units of runs from before the check count as 0.
+        "random_forward": int(unit_attrs.get("random_forward", 0)),
         **provenance(),
         "snapshot_sha256": json.dumps({e.name: e.sha256 for e in entries}, sort_keys=True),
         "snapshot_paths": json.dumps({e.name: e.path for e in entries}, sort_keys=True),

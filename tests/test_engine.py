@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import xarray as xr
 
 import diag
 from common.errors import InputError
@@ -358,14 +359,14 @@ class Output:
 
 class HuginnStyle(nn.Module):
     """Not this project's model: depth as `num_steps`, an output object, no nll_by_depth,
-    a parameter outside the graph, and a buffer written by every forward."""
+    a frozen parameter outside the graph, and a buffer written by every forward."""
 
     def __init__(self, d=32):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, d)
         self.core = nn.Sequential(nn.Linear(2 * d, d), nn.Tanh())
         self.head = nn.Linear(d, VOCAB)
-        self.unused = nn.Parameter(torch.ones(3))
+        self.unused = nn.Parameter(torch.ones(3), requires_grad=False)
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
 
     def forward(self, input_ids, num_steps):
@@ -402,7 +403,104 @@ def test_huginn_style_model_runs_with_num_steps():
     diagnostic = UpdateDiagnostic(model, opt, eval_tokens, DiagnosticOptions(depth_kwarg="num_steps"))
     _, grads = diagnostic.gradient(batch, 3)
     unused = grads[diagnostic.stepped.index("unused")]
-    assert torch.equal(unused, torch.zeros(3))
+    assert torch.equal(unused, torch.zeros(3))  # frozen: no gradient, and none asked for
+    assert ds.attrs["random_forward"] == 0
+
+
+def test_trainable_parameters_without_a_gradient_are_refused_naming_them():
+    torch.manual_seed(0)
+    model = HuginnStyle()
+    model.unused.requires_grad_(True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    diagnostic = UpdateDiagnostic(model, opt, tokens(5, 10), DiagnosticOptions(depth_kwarg="num_steps"))
+    with pytest.raises(InputError, match=r"^1 of 6 trainable parameters get no gradient at update depth 3 \(unused\)"):
+        diagnostic.gradient(tokens(4, 9), 3)
+
+
+class NoGradLoop(HuginnStyle):
+    """Runs all but the last iteration without gradient, as a Huginn-convention forward does
+    for an integer num_steps, so the embedding gets no gradient beyond depth 1."""
+
+    def forward(self, input_ids, num_steps):
+        e = self.embed(input_ids)
+        with torch.no_grad():
+            state = torch.zeros_like(e)
+            for _ in range(num_steps - 1):
+                state = self.core(torch.cat((state, e), dim=-1))
+        state = self.core(torch.cat((state, e.detach() if num_steps > 1 else e), dim=-1))
+        return Output(logits=self.head(state))
+
+
+def test_a_loop_run_without_gradient_is_refused_not_filled_with_zeros():
+    torch.manual_seed(0)
+    model = NoGradLoop()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(
+        InputError, match=r"get no gradient at update depth 4 \(embed\); usually the model runs its loop"
+    ):
+        diag.compare_updates(
+            model,
+            opt,
+            tokens(4, 9),
+            tokens(5, 10),
+            update_depths=(1, 4),
+            serving_depths=(1, 4),
+            depth_kwarg="num_steps",
+        )
+
+
+class SwallowsKeywords(HuginnStyle):
+    """A Hugging Face style forward: unknown keywords disappear into **kwargs."""
+
+    def forward(self, input_ids, num_steps=2, **kwargs):
+        return super().forward(input_ids, num_steps)
+
+
+def test_a_depth_keyword_the_forward_ignores_is_refused():
+    torch.manual_seed(0)
+    model = SwallowsKeywords()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(
+        InputError,
+        match=r"depth_kwarg='depth': SwallowsKeywords's output is the same at depth=1 and 4"
+        r".*accepts num_steps, \*\*kwargs",
+    ):
+        diag.compare_updates(model, opt, tokens(4, 9), tokens(5, 10), update_depths=(1, 4), serving_depths=(1, 2))
+    ds = diag.compare_updates(
+        model, opt, tokens(4, 9), tokens(5, 10), update_depths=(1, 4), serving_depths=(1, 2), depth_kwarg="num_steps"
+    )
+    assert ds.sizes["serving_depth"] == 2
+
+
+class RandomStart(HuginnStyle):
+    """Draws its initial state from the global RNG on every forward, as Huginn does."""
+
+    def forward(self, input_ids, num_steps):
+        e = self.embed(input_ids)
+        state = torch.randn_like(e)
+        for _ in range(num_steps):
+            state = self.core(torch.cat((state, e), dim=-1))
+        return Output(logits=self.head(state))
+
+
+def test_a_random_forward_is_reproducible_and_leaves_the_callers_rng_alone():
+    torch.manual_seed(0)
+    model = RandomStart()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    trained(model, opt, 3, depth_kwarg="num_steps")
+    batch, eval_tokens = tokens(4, 9), tokens(5, 10)
+    results = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        before = torch.get_rng_state()
+        results.append(
+            diag.compare_updates(
+                model, opt, batch, eval_tokens, update_depths=(1, 4), serving_depths=(1, 4), depth_kwarg="num_steps"
+            )
+        )
+        assert torch.equal(torch.get_rng_state(), before)  # the caller's stream goes on where it was
+    xr.testing.assert_identical(results[0], results[1])
+    assert results[0].attrs["random_forward"] == 1
 
 
 def test_evaluation_weights_chunks_by_token_count():
@@ -896,6 +994,7 @@ def test_unit_dataset_names_its_axes_settings_and_groups():
         "optimizer": "SGD",
         "grad_clip": 0.0,
         "precision": "bf16",
+        "random_forward": 0,
         "group_lrs": "[0.1, 0.02]",
     }
     assert ds.benefit.attrs["description"] == (
@@ -984,15 +1083,16 @@ class Recording(nn.Module):
 
 
 def test_forwards_run_in_their_modes_and_evaluation_chunks_of_32_rows_by_default():
-    """The vocabulary probe: one evaluation chunk's shape, eval mode. Gradients: training mode. Evaluations:
-    eval mode, chunks of 32 rows (the default), with the counted targets read once, not per evaluation."""
+    """The probe: one evaluation chunk's shape at the shallowest and the deepest depth, eval mode.
+    Gradients: training mode. Evaluations: eval mode, chunks of 32 rows (the default), with the
+    counted targets read once, not per evaluation."""
     model = Recording(tiny_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     eval_tokens = tokens(33, 2)
     diagnostic = UpdateDiagnostic(
         model, optimizer, eval_tokens, DiagnosticOptions(update_depths=(1, 2), serving_depths=(1,))
     )
-    assert model.calls == [((32, SEQ), False)]
+    assert model.calls == [((32, SEQ), False)] * 2
     model.calls.clear()
     ds = diagnostic.compare(tokens(4, 1))
     assert model.calls == [((4, SEQ), True)] * 2 + [((32, SEQ), False), ((1, SEQ), False)] * 3
@@ -1000,7 +1100,9 @@ def test_forwards_run_in_their_modes_and_evaluation_chunks_of_32_rows_by_default
     one_shot = diag.compare_updates(
         model, optimizer, tokens(4, 1), eval_tokens, update_depths=(1, 2), serving_depths=(1,)
     )
-    assert model.calls == [((32, SEQ), False)] + [((4, SEQ), True)] * 2 + [((32, SEQ), False), ((1, SEQ), False)] * 3
+    assert (
+        model.calls == [((32, SEQ), False)] * 2 + [((4, SEQ), True)] * 2 + [((32, SEQ), False), ((1, SEQ), False)] * 3
+    )
     assert model.training and ds.sizes == one_shot.sizes == {"update_depth": 2, "serving_depth": 1}
 
 
