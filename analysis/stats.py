@@ -325,14 +325,17 @@ def format_summary_table(rows: list[dict], *, level: float = 0.95) -> str:
     """The summary rows as an aligned plain-text table (headline interval, then batch noise)."""
     percent = f"{level * 100:g}%"
     seeded = bool(rows) and rows[0]["unit"] != "batch"
-    header = ("snapshot", "uniform updates", "step", "mean benefit", f"{percent} CI", "n", "CI excludes 0")
+    # Results of a model without a depth schedule (an adapter's) have no uniform-updates count.
+    scheduled = all("uniform_updates" in row for row in rows)
+    header = ("snapshot",) + (("uniform updates",) if scheduled else ()) + ("step", "mean benefit")
+    header += (f"{percent} CI", "n", "CI excludes 0")
     if seeded:
         header += ("batch CI ±", "batches/seed", "var(seeds)", "var(batches)")
     lines = []
     for row in rows:
         cells = (
             row["snapshot"],
-            str(row["uniform_updates"]),
+            *((str(row["uniform_updates"]),) if scheduled else ()),
             str(row["step"]),
             f"{row['mean']:+.4f}",
             format_bounds(row["lower"], row["upper"]),

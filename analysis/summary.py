@@ -5,6 +5,7 @@ this module only lays them out."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from os import PathLike
 
@@ -45,20 +46,31 @@ def summary_document(
     }
 
 
+def from_a_schedule(ds: xr.Dataset) -> bool:
+    """Whether the results come from depthdiag runs, whose snapshots are counted in uniform
+    updates after a switch; a model an adapter supplies (diag/adapter.py) has no schedule, so
+    neither the column nor the finishing phase means anything for it."""
+    sources = json.loads(str(ds.attrs.get("batch_source", "{}")))
+    return not sources or any(source != "adapter" for source in sources.values())
+
+
+def without_schedule(rows: list[dict]) -> list[dict]:
+    """Summary rows without the uniform-updates count, for results `from_a_schedule` rejects."""
+    return [{key: value for key, value in row.items() if key != "uniform_updates"} for row in rows]
+
+
 def summary_text(rows: list[dict], phase: FinishingPhase | None, options: IntervalOptions) -> str:
-    """The printed results summary: what the intervals cover, the table, the finishing phase."""
-    finishing = (
-        format_finishing_phase(phase, level=options.level)
-        if phase is not None
-        else "finishing phase: n/a (no snapshot at the switch, 0 uniform updates)"
-    )
-    return "\n".join(
-        [
-            describe_intervals(rows, level=options.level, method=options.method),
-            format_summary_table(rows, level=options.level),
-            finishing,
-        ]
-    )
+    """The printed results summary: what the intervals cover, the table, and, for rows counted
+    in uniform updates, the finishing phase."""
+    lines = [
+        describe_intervals(rows, level=options.level, method=options.method),
+        format_summary_table(rows, level=options.level),
+    ]
+    if phase is not None:
+        lines.append(format_finishing_phase(phase, level=options.level))
+    elif rows and "uniform_updates" in rows[0]:
+        lines.append("finishing phase: n/a (no snapshot at the switch, 0 uniform updates)")
+    return "\n".join(lines)
 
 
 def monitor_summary_document(path: str | PathLike, ds: xr.Dataset, rows: list[dict], options: IntervalOptions) -> dict:

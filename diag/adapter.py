@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from common.choices import PRECISION_CHOICES
 from common.errors import InputError
 
 
@@ -62,6 +63,11 @@ class AdaptedModel:
     """Clip the gradient's global norm to this, as the model's training did; None: no clipping."""
     name: str | None = None
     """The label along `snapshot` in the results file; None: the --adapter spec."""
+    precision: str = "fp32"
+    """How the gradients are computed, as the model trained: 'fp32', or 'bf16' (bf16
+    autocast on the model's device); evaluations always run in fp32."""
+    eval_mask: Tensor | None = None
+    """bool [E, T]: the targets eval_tokens[:, 1:] to count (e.g. answers only); None: all."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
@@ -85,6 +91,19 @@ class AdaptedModel:
             value = getattr(self, key)
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise InputError(f"AdaptedModel.{key} must be a positive number or None, got {value!r}")
+        if self.precision not in PRECISION_CHOICES:
+            raise InputError(
+                f"AdaptedModel.precision must be one of {', '.join(PRECISION_CHOICES)}, got {self.precision!r}"
+            )
+        if self.eval_mask is not None and not (
+            torch.is_tensor(self.eval_mask)
+            and self.eval_mask.dtype == torch.bool
+            and self.eval_mask.shape == self.eval_tokens[:, 1:].shape
+        ):
+            raise InputError(
+                "AdaptedModel.eval_mask must be a bool tensor of the targets' shape "
+                f"{list(self.eval_tokens[:, 1:].shape)} (eval_tokens[:, 1:]) or None"
+            )
         if self.name is not None and (
             not isinstance(self.name, str) or not self.name or self.name.startswith(".") or "/" in self.name
         ):
@@ -115,7 +134,9 @@ class AdaptedModel:
         add(self.optimizer.state_dict())
         add(list(self.batches))
         add(self.eval_tokens)
+        add(self.eval_mask)
         add([self.depth_kwarg, self.lr, self.grad_clip, type(self.model).__qualname__, type(self.optimizer).__name__])
+        add(self.precision)
         return digest.hexdigest()
 
 
@@ -192,6 +213,8 @@ def adapter_config_json(spec: str, args: Sequence[tuple[str, str]], adapted: Ada
             "optimizer_class": type(adapted.optimizer).__name__,
             "depth_kwarg": adapted.depth_kwarg,
             "grad_clip": adapted.grad_clip,
+            "precision": adapted.precision,
+            "eval_mask": adapted.eval_mask is not None,
         },
         sort_keys=True,
     )

@@ -207,9 +207,12 @@ def _adapter_entry(config: DiagnoseConfig) -> _Entry:
         depth_kwarg=adapted.depth_kwarg,
         grad_clip=adapted.grad_clip,
         lr=config.lr if config.lr is not None else adapted.lr,
+        precision=adapted.precision,
     )
     try:
-        diagnostic = UpdateDiagnostic(adapted.model, adapted.optimizer, adapted.eval_tokens, options)
+        diagnostic = UpdateDiagnostic(
+            adapted.model, adapted.optimizer, adapted.eval_tokens, options, eval_mask=adapted.eval_mask
+        )
         for i in range(wanted):
             diagnostic.check_batch(adapted.batches[i], f"batch {i}")
     except InputError as err:

@@ -50,7 +50,9 @@ def tokens(shape, seed):
 
 
 @functools.cache
-def huginn(steps: str = "3", depth_kwarg: str = "num_steps") -> AdaptedModel:
+def huginn(
+    steps: str = "3", depth_kwarg: str = "num_steps", precision: str = "fp32", masked: str = "no"
+) -> AdaptedModel:
     """The adapter the tests name: cached, so a test holds the very objects the command used."""
     torch.manual_seed(0)
     model = HuginnStyle()
@@ -70,7 +72,13 @@ def huginn(steps: str = "3", depth_kwarg: str = "num_steps") -> AdaptedModel:
         lr=2e-3,
         grad_clip=0.5,
         name="huginn",
+        precision=precision,
+        eval_mask=EVAL_MASK if masked == "yes" else None,
     )
+
+
+EVAL_MASK = torch.arange(SEQ).expand(5, SEQ) >= SEQ // 2
+"""The second half of every evaluation row's targets: as an answers-only evaluation counts."""
 
 
 def not_adapted():
@@ -131,6 +139,9 @@ def test_adapter_results_equal_compare_updates_and_leave_the_model_alone(tmp_pat
     assert_same_state(before, state_of(adapted))
     summary = CliRunner().invoke(main, ["summarize", str(out)])
     assert summary.exit_code == 0 and "huginn" in summary.stdout, summary.output
+    # No depth schedule behind an adapter's model: no uniform-updates column, no finishing phase.
+    assert "uniform updates" not in summary.stdout and "finishing phase" not in summary.stdout
+    assert "step" in summary.stdout.splitlines()[1]
     # The same inputs resume as the finished run; other inputs are another run.
     assert cli(*args, "--update-depths", "1,4", "--serving", "1-3,6", "--resume")[0] == 0
     code, _, err = cli(*args[:3], "steps=4", *args[4:], "--update-depths", "1,4", "--serving", "1-3,6", "--resume")
@@ -185,3 +196,31 @@ def test_adapted_model_and_its_arguments_are_checked():
         AdaptedModel(**fields, batches=adapted.batches, name="a/b")
     with pytest.raises(InputError, match="returned a dict"):
         load_adapter(f"{__name__}:not_adapted")
+
+
+@pytest.mark.filterwarnings("ignore::diag.engine.BiasCorrectionWarning")
+def test_an_adapter_carries_its_training_precision_and_evaluation_mask(tmp_path):
+    out = tmp_path / "bf16.h5"
+    args = ["--adapter", f"{__name__}:huginn", "--adapter-arg", "steps=3", "--adapter-arg", "precision=bf16"]
+    args += ["--adapter-arg", "masked=yes", "--batches", "1", "--update-depths", "1,4", "--serving", "1-3,6"]
+    code, _, err = cli(*args, "--out", out, "--no-progress")
+    assert code == 0, err
+    ds = open_results(out)
+    assert ds.attrs["precision"] == "bf16"
+    adapted = huginn(steps="3", precision="bf16", masked="yes")
+    settings = dict(
+        update_depths=UPDATE_DEPTHS, serving_depths=SERVING, depth_kwarg="num_steps", lr=2e-3, grad_clip=0.5
+    )
+    batch = adapted.batches[0]
+    unit = diag.compare_updates(
+        adapted.model, adapted.optimizer, batch, adapted.eval_tokens, precision="bf16", eval_mask=EVAL_MASK, **settings
+    )
+    np.testing.assert_array_equal(ds.nll.values[0, 0], unit.nll.values)
+    plain = diag.compare_updates(adapted.model, adapted.optimizer, batch, adapted.eval_tokens, **settings)
+    assert not np.array_equal(plain.nll.values, unit.nll.values)  # both settings change the measurement
+    with pytest.raises(InputError, match="AdaptedModel.precision must be one of fp32, bf16"):
+        AdaptedModel(adapted.model, adapted.optimizer, adapted.batches, adapted.eval_tokens, precision="fp16")
+    with pytest.raises(
+        InputError, match=r"AdaptedModel.eval_mask must be a bool tensor of the targets' shape \[5, 10\]"
+    ):
+        AdaptedModel(adapted.model, adapted.optimizer, adapted.batches, adapted.eval_tokens, eval_mask=EVAL_MASK[:, 1:])

@@ -121,13 +121,16 @@ def summarize(
         return
     from analysis.stats import finishing_phase, summary_table
     from analysis.store import open_results
-    from analysis.summary import summary_document, summary_text
+    from analysis.summary import from_a_schedule, summary_document, summary_text, without_schedule
 
     with naming_files(results):
         ds = open_results(results)
         warning = _warn_on_mixed_learning_rates(ds, results)
         rows = summary_table(ds, options=options)
-        has_switch = 0 in ds["uniform_updates"].values
+        scheduled = from_a_schedule(ds)
+        if not scheduled:
+            rows = without_schedule(rows)
+        has_switch = scheduled and 0 in ds["uniform_updates"].values
         phase = finishing_phase(ds, options=options) if has_switch else None
     if _export_csv(rows, csv_out, force, results):
         return
