@@ -224,3 +224,17 @@ def test_an_adapter_carries_its_training_precision_and_evaluation_mask(tmp_path)
         InputError, match=r"AdaptedModel.eval_mask must be a bool tensor of the targets' shape \[5, 10\]"
     ):
         AdaptedModel(adapted.model, adapted.optimizer, adapted.batches, adapted.eval_tokens, eval_mask=EVAL_MASK[:, 1:])
+
+
+def test_figure4_of_an_adapters_results_draws_only_what_applies(tmp_path):
+    out = tmp_path / "huginn.h5"
+    args = ["--adapter", f"{__name__}:huginn", "--adapter-arg", "steps=3", "--out", out, "--no-progress"]
+    assert cli(*args, "--update-depths", "1,4", "--serving", "1-3,6")[0] == 0
+    from analysis.figures import figure4
+
+    fig = figure4(open_results(out))
+    (panel,) = fig.axes  # benefit by serving depth only: no uniform updates to count, no finishing phase
+    assert [text.get_text() for text in panel.get_legend().get_texts()] == ["huginn"]
+    assert panel.get_xlabel() == "serving depth"
+    result = CliRunner().invoke(main, ["plot", str(out), "--out", str(tmp_path / "huginn.png")])
+    assert result.exit_code == 0, result.output

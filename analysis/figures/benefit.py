@@ -23,6 +23,7 @@ from analysis.stats import (
     method_name,
     plural,
 )
+from analysis.summary import from_a_schedule
 from common.benefit import benefit_description
 
 
@@ -47,21 +48,29 @@ def _interval_note(intervals: xr.Dataset) -> str:
 
 
 def plot_benefit_by_depth(
-    intervals: xr.Dataset, *, uniform_updates: Sequence[int] = (0, 16), ax: Axes | None = None
+    intervals: xr.Dataset, *, uniform_updates: Sequence[int] | None = (0, 16), ax: Axes | None = None
 ) -> Axes:
     """Benefit against serving depth: a mean line and an interval band per selected snapshot.
 
     `intervals` is `analysis.stats.benefit_by_depth` output (over snapshot, serving_depth).
-    Snapshots are chosen by their uniform-update count. Returns the axes drawn on.
+    Snapshots are chosen by their uniform-update count, or with `uniform_updates=None` all of
+    them, labelled by name (results without a depth schedule). Returns the axes drawn on.
     """
     if ax is None:
         ax = new_axes()
     colors = sns.color_palette(PALETTE)
     depths = intervals["serving_depth"].values
-    for slot, index in enumerate(select_snapshots(intervals, uniform_updates)):
+    if uniform_updates is None:
+        selected = range(intervals.sizes["snapshot"])
+    else:
+        selected = select_snapshots(intervals, uniform_updates)
+    for slot, index in enumerate(selected):
         row = intervals.isel(snapshot=index)
         color = colors[slot % len(colors)]
-        label = snapshot_label(int(row["uniform_updates"]))
+        if uniform_updates is None:
+            label = str(row["snapshot"].values)
+        else:
+            label = snapshot_label(int(row["uniform_updates"]))
         ax.fill_between(depths, row["lower"].values, row["upper"].values, color=color, alpha=0.25, linewidth=0)
         ax.plot(depths, row["mean"].values, color=color, marker="o", markersize=3.5, label=label)
     ax.axhline(0.0, **ZERO_LINE)
@@ -169,17 +178,24 @@ def figure4(ds: xr.Dataset, *, options: IntervalOptions = IntervalOptions()) -> 
     Left: benefit by serving depth at 0 and 16 uniform updates. Right: depth-averaged
     benefit at every snapshot (the dense grid 0, 4, ..., 256 when diagnosed), with
     the batch noise and the finishing-phase length marked. Intervals are over seeds
-    when `ds` has a `seed` dimension, else over batches (and say so).
+    when `ds` has a `seed` dimension, else over batches (and say so). Results without a
+    depth schedule (an adapter's model, `analysis.summary.from_a_schedule`) get the left
+    panel alone, every snapshot by name: there are no uniform updates to count.
     """
     by_depth = benefit_by_depth(ds, options=options)
-    averaged = depth_averaged_benefit(ds, options=options)
-    noise = batch_noise(ds, options=options)
-    phase = finishing_phase(ds, options=options) if 0 in ds["uniform_updates"].values else None
-    with sns.axes_style(STYLE):
-        fig = Figure(figsize=(11.0, 4.4), layout="constrained")
-        left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 3]})
-    plot_benefit_by_depth(by_depth, ax=left)
-    plot_depth_averaged_benefit(averaged, noise=noise, phase=phase, ax=right)
+    if not from_a_schedule(ds):
+        with sns.axes_style(STYLE):
+            fig = Figure(figsize=(5.5, 4.4), layout="constrained")
+            plot_benefit_by_depth(by_depth, uniform_updates=None, ax=fig.subplots())
+    else:
+        averaged = depth_averaged_benefit(ds, options=options)
+        noise = batch_noise(ds, options=options)
+        phase = finishing_phase(ds, options=options) if 0 in ds["uniform_updates"].values else None
+        with sns.axes_style(STYLE):
+            fig = Figure(figsize=(11.0, 4.4), layout="constrained")
+            left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 3]})
+        plot_benefit_by_depth(by_depth, ax=left)
+        plot_depth_averaged_benefit(averaged, noise=noise, phase=phase, ax=right)
     if "compared_depth" in by_depth.attrs:
         reference, compared = by_depth.attrs["reference_depth"], by_depth.attrs["compared_depth"]
         fig.suptitle(f"benefit = {benefit_description(reference, compared)}", fontsize="medium")
