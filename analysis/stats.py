@@ -321,39 +321,6 @@ def describe_intervals(rows: list[dict], *, level: float = 0.95, method: Method 
     )
 
 
-def format_summary_table(rows: list[dict], *, level: float = 0.95) -> str:
-    """The summary rows as an aligned plain-text table (headline interval, then batch noise)."""
-    percent = f"{level * 100:g}%"
-    seeded = bool(rows) and rows[0]["unit"] != "batch"
-    # Results of a model without a depth schedule (an adapter's) have no uniform-updates count.
-    scheduled = all("uniform_updates" in row for row in rows)
-    header = ("snapshot",) + (("uniform updates",) if scheduled else ()) + ("step", "mean benefit")
-    header += (f"{percent} CI", "n", "CI excludes 0")
-    if seeded:
-        header += ("batch CI ±", "batches/seed", "var(seeds)", "var(batches)")
-    lines = []
-    for row in rows:
-        cells = (
-            row["snapshot"],
-            *((str(row["uniform_updates"]),) if scheduled else ()),
-            str(row["step"]),
-            f"{row['mean']:+.4f}",
-            format_bounds(row["lower"], row["upper"]),
-            f"{row['n']} {plural(row['unit'], row['n'])}",
-            "yes" if row["excludes_zero"] else "no",
-        )
-        if seeded:
-            cells += (
-                f"{row['batch_half_width']:.4f}",
-                str(row["batches_per_seed"]),
-                f"{row['between_seed_variance']:.2e}",
-                f"{row['within_seed_variance']:.2e}",
-            )
-        lines.append(cells)
-    widths = [max(len(cells[i]) for cells in [header, *lines]) for i in range(len(header))]
-    return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(cells, widths)) for cells in [header, *lines])
-
-
 def trailing_mean(values, window: int) -> np.ndarray:
     """Mean of each value and the `window` - 1 before it (fewer at the start), NaNs skipped:
     the smoothed training loss of `depthdiag plot --figure curves`."""

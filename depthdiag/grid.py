@@ -60,8 +60,8 @@ from common.signals import terminate_raises
 from trainer.checkpoint import CHECKPOINT_DIR, checkpoint_name, latest_checkpoint
 from trainer.config import RunConfig, load_config
 from trainer.flops import iso_flop_updates, schedule_flops
+from trainer.run_dir import EVAL_CACHE
 from trainer.schedules import parse_schedule
-from trainer.train import EVAL_CACHE
 
 SHORTHANDS = {"schedule": "train.schedule", "seed": "train.seed"}
 """Axis names (and assignment keys) that stand for a config key."""

@@ -166,13 +166,17 @@ CRN_SEED = 20260
 """The seed of the random stream every forward of the diagnostic starts from."""
 
 
+def _cuda_in_use() -> list[int]:
+    """The CUDA devices whose RNGs the diagnostic forks and seeds: only those of an initialised
+    CUDA, since seeding one before would queue a seed for whenever it is initialised."""
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+
+
 @contextlib.contextmanager
 def common_random_numbers() -> Iterator[None]:
     """Run the block from the fixed random stream CRN_SEED (the CPU's and every initialised
     CUDA device's), and give the caller's RNG states back afterwards, exactly as they were."""
-    # Seeding CUDA before it is initialised would queue a seed for whenever it is: only the
-    # devices already in use are forked and seeded.
-    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    cuda = _cuda_in_use()
     with torch.random.fork_rng(devices=cuda):
         torch.default_generator.manual_seed(CRN_SEED)
         for index in cuda:
@@ -181,8 +185,7 @@ def common_random_numbers() -> Iterator[None]:
 
 
 def _rng_states() -> list[Tensor]:
-    cuda = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
-    return [torch.get_rng_state(), *(torch.cuda.get_rng_state(index) for index in cuda)]
+    return [torch.get_rng_state(), *(torch.cuda.get_rng_state(index) for index in _cuda_in_use())]
 
 
 def _accepted_keywords(model: nn.Module) -> str:

@@ -51,8 +51,9 @@ from trainer.config import RunConfig
 from trainer.data import TokenSource, build_source
 from trainer.optim import OPTIMIZER_CLASSES, lr_at
 from trainer.rng import process_rng_state, seeded_generator, set_process_rng_state
+from trainer.run_dir import MONITOR_FILE
 from trainer.schedules import parse_schedule
-from trainer.train import MONITOR_FILE, TrainSummary, train
+from trainer.train import TrainSummary, train
 
 MONITOR_SALT = 0x30A1_70C4
 """Third word of the monitor's batch seeds: keeps them apart from every training stream."""

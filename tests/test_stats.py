@@ -23,7 +23,6 @@ from analysis.stats import (
     finishing_phase,
     format_finishing_phase,
     format_monitor_summary,
-    format_summary_table,
     mixed_learning_rate_warning,
     monitor_benefit_map,
     monitor_depth_averaged_benefit,
@@ -33,6 +32,7 @@ from analysis.stats import (
     t_interval,
     trailing_mean,
 )
+from analysis.summary import format_summary_table
 from common.choices import RESAMPLES_RANGE
 
 

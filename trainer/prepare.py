@@ -84,6 +84,9 @@ from common.lock import claimed_outputs
 from common.outputs import OutputKind, check_output, json_file, only_entries
 from common.progress import progress_bar
 
+FORMAT = "depthdiag prepare"
+"""meta.json's "format", by which --force recognises a folder prepare wrote."""
+
 FORMAT_VERSION = 1
 EOT = "<|endoftext|>"
 """The default end-of-text token (GPT-2's name for it)."""
@@ -106,9 +109,6 @@ SPLIT_RULE = (
     "a document is in val when int.from_bytes(sha256(text.encode('utf-8')).digest()[:8], 'big') "
     "< val_fraction * 2**64, else in train"
 )
-FORMAT = "depthdiag prepare"
-"""meta.json's "format", by which --force recognises a folder prepare wrote."""
-
 PIECE_RULE = (
     "when the document split leaves a side without a document: each document cut at line ends "
     f"into pieces of at most {PIECE_CHARS} characters (a longer line alone), and the empty side "

@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from common.atomic import atomic_write_text, remove_stale_temporaries_in
 from common.errors import InputError, RunFailed
 from common.lock import exclusive_output
-from common.outputs import OutputKind, check_output, empty_folder, json_file, only_entries
+from common.outputs import check_output, empty_folder
 from common.progress import progress_bar
 from trainer.checkpoint import (
     CHECKPOINT_DIR,
@@ -72,9 +72,10 @@ from trainer.model import LoopedTransformer
 from trainer.optim import build_optimizer, lr_at
 from trainer.resources import check_memory
 from trainer.rng import set_process_rng_state
+from trainer.run_dir import RUN_DIRECTORY
 from trainer.schedules import Schedule, parse_schedule
 from trainer.scoring import mean_nll_by_depth
-from trainer.sinks import TENSORBOARD_DIR, WANDB_DIR, MetricsSink, build_sinks, check_extras
+from trainer.sinks import MetricsSink, build_sinks, check_extras
 
 
 class TrainStep:
@@ -156,44 +157,6 @@ class TrainSummary:
     """Checkpoints this invocation wrote."""
     snapshots: tuple[str, ...]
     """Snapshots this invocation wrote."""
-
-
-MONITOR_FILE = "monitor.h5"
-"""The in-training diagnostic's results file in the run directory (diag/monitor.py writes it)."""
-EVAL_CACHE = "grid-eval.h5"
-"""A grid cell's evaluation, kept in its run directory (depthdiag/grid.py writes it)."""
-RUN_ENTRIES = (
-    "config.json",
-    "metrics.jsonl",
-    "summary.json",
-    CHECKPOINT_DIR,
-    SNAPSHOT_DIR,
-    MONITOR_FILE,
-    EVAL_CACHE,
-    TENSORBOARD_DIR,
-    WANDB_DIR,
-)
-"""Everything a run (and the tools that work on it) writes into its directory."""
-
-
-def _is_run_directory(run_dir: Path) -> bool:
-    """A run directory depthdiag wrote: a run's entries alone, config.json a run config."""
-    config = json_file(run_dir / "config.json")
-    return (
-        run_dir.is_dir()
-        and only_entries(run_dir, RUN_ENTRIES)
-        and config is not None
-        and {"model", "train"} <= config.keys()
-    )
-
-
-RUN_DIRECTORY = OutputKind(
-    "run directory",
-    _is_run_directory,
-    folder=True,
-    existing_hint="resume it with --resume, replace it with --force, or choose another --out",
-    entries=RUN_ENTRIES,
-)
 
 
 def train(

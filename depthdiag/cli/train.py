@@ -96,7 +96,7 @@ def train_run(
     from trainer.config import load_config
     from trainer.distributed import resolve_device
     from trainer.resources import check_memory
-    from trainer.train import RUN_DIRECTORY
+    from trainer.run_dir import RUN_DIRECTORY
 
     config = load_config(config_path, overrides)
     if "WORLD_SIZE" not in os.environ:
