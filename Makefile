@@ -250,10 +250,11 @@ $(FINISHING)/comparison.md: $(FINISHING)/grid.h5 $(ANALYSIS_SOURCES)
 
 finishing-phase: $(FINISHING)/comparison.md
 
-# The tests cover the lm-evaluation-harness wrapper too, so they install the eval extra
-# (lm_eval and what it needs); the pipeline targets do without it.
-$(VENV)/.installed-eval: $(VENV)/.installed
-	$(PY) -m pip install --quiet -e ".[dev,eval,wandb]"
+# The tests cover the lm-evaluation-harness wrapper and the Hugging Face routes too, so they
+# install the eval and hf extras (lm_eval, transformers and what they need); the pipeline
+# targets do without them.
+$(VENV)/.installed-eval: $(VENV)/.installed pyproject.toml
+	$(PY) -m pip install --quiet -e ".[dev,eval,hf,wandb]"
 	touch $@
 
 test: $(VENV)/.installed-eval
@@ -277,7 +278,7 @@ test-slow: $(VENV)/.installed-eval
 # would keep verdicts reached against older tests.
 MUTANT_JOBS ?= 2
 $(VENV)/.installed-mutants: $(VENV)/.installed-eval
-	$(PY) -m pip install --quiet -e ".[dev,eval,wandb,mutants]"
+	$(PY) -m pip install --quiet -e ".[dev,eval,hf,wandb,mutants]"
 	touch $@
 
 # PYTHONPATH: a test that runs depthdiag in a subprocess imports the mutated copy too, not the tree.

@@ -1,10 +1,22 @@
+import atexit
 import json
 import math
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+# Nothing in the tests may come from the Hugging Face hub (every model is built from a local
+# config), and the code of the remote-code folders they load goes to a cache of their own,
+# not the user's (~/.cache/huggingface/modules). Set before any test imports transformers.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+_MODULES_CACHE = tempfile.mkdtemp(prefix="depthdiag-test-hf-modules-")
+os.environ["HF_MODULES_CACHE"] = _MODULES_CACHE
+atexit.register(shutil.rmtree, _MODULES_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -62,6 +62,11 @@ def code_strings(tree: ast.Module) -> str:
     return " ".join(node.value for node in sorted(constants, key=lambda n: (n.lineno, n.col_offset)))
 
 
+REMOTE_CODE_TEMPLATES = ROOT / "trainer" / "hf_export"
+"""The modules an hf export copies into its folder, where only relative imports work (they
+resolve to their absolute names here)."""
+
+
 def imported_modules(path: Path) -> set[str]:
     """Every absolute module name `path` imports, anywhere in the file, or runs with `-m`."""
     tree = ast.parse(path.read_text(), filename=str(path))
@@ -70,10 +75,14 @@ def imported_modules(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0, f"{path}: relative import (the tree uses absolute imports)"
-            found.add(node.module)
+            module = node.module
+            if node.level:
+                assert path.parent == REMOTE_CODE_TEMPLATES, f"{path}: relative import (the tree uses absolute imports)"
+                base = module_name(path).rsplit(".", node.level)[0]
+                module = f"{base}.{module}" if module else base
+            found.add(module)
             # `from package import module` imports the submodule too.
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
     return found
 
 
