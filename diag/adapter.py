@@ -14,12 +14,9 @@ adapter; an exception raised inside the function is its own and keeps its traceb
 from __future__ import annotations
 
 import hashlib
-import importlib
 import inspect
 import json
 import math
-import os
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +27,8 @@ from torch import Tensor
 
 from common.choices import PRECISION_CHOICES
 from common.errors import InputError
+from common.imports import import_named
+from diag.families import ModelFamily
 
 
 def _is_token_tensor(value: Any, dims: int) -> bool:
@@ -56,7 +55,10 @@ class AdaptedModel:
     eval_tokens: Tensor
     """Held-out token ids [E, T+1]; every target eval_tokens[:, 1:] is counted."""
     depth_kwarg: str = "depth"
-    """The keyword of the model's forward that sets the depth ('num_steps' for Huginn-style models)."""
+    """The keyword of the model's forward that sets the depth, as one int with full backprop."""
+    family: ModelFamily | None = None
+    """How to call the model for a gradient and an evaluation at a depth (diag/families.py, e.g.
+    diag.families.HUGINN for Huginn-convention models); None: `depth_kwarg`. Give one or the other."""
     lr: float | None = None
     """The learning rate of the diagnosed step; None: each param group's own."""
     grad_clip: float | None = None
@@ -68,6 +70,9 @@ class AdaptedModel:
     autocast on the model's device); evaluations always run in fp32."""
     eval_mask: Tensor | None = None
     """bool [E, T]: the targets eval_tokens[:, 1:] to count (e.g. answers only); None: all."""
+    optimizer_state: str | None = None
+    """Where the optimizer's state came from, recorded as the results file's `optimizer_state`
+    (e.g. a Trainer checkpoint, or an estimate for a model published without one); None: not said."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
@@ -87,6 +92,10 @@ class AdaptedModel:
             raise InputError("AdaptedModel.eval_tokens must be an integer tensor of token ids [E, T+1] with T >= 1")
         if not isinstance(self.depth_kwarg, str) or not self.depth_kwarg.isidentifier():
             raise InputError(f"AdaptedModel.depth_kwarg must be a keyword name, got {self.depth_kwarg!r}")
+        if self.family is not None and not isinstance(self.family, ModelFamily):
+            raise InputError(
+                f"AdaptedModel.family must be a diag.families.ModelFamily, got {type(self.family).__name__}"
+            )
         for key in ("lr", "grad_clip"):
             value = getattr(self, key)
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -137,6 +146,8 @@ class AdaptedModel:
         add(self.eval_mask)
         add([self.depth_kwarg, self.lr, self.grad_clip, type(self.model).__qualname__, type(self.optimizer).__name__])
         add(self.precision)
+        add(repr(self.family))
+        add(self.optimizer_state)
         return digest.hexdigest()
 
 
@@ -154,30 +165,11 @@ def parse_adapter_args(assignments: Sequence[str]) -> tuple[tuple[str, str], ...
     return tuple(pairs)
 
 
-def _one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split())
-    return f"{type(err).__name__}: {text[:200]}" if text else type(err).__name__
-
-
 def adapter_function(spec: str) -> Callable[..., Any]:
     """The function `spec` ('module:function', the function part possibly dotted) names."""
-    module_name, sep, attribute = spec.partition(":")
-    if not sep or not module_name or not attribute:
-        raise InputError(f"--adapter {spec!r}: expected MODULE:FUNCTION, e.g. mypkg.adapters:load_huginn")
-    # The current directory first, as `python -m` has it: an adapter beside the user's data
-    # imports without being installed.
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        target: Any = importlib.import_module(module_name)
-    except Exception as err:  # a module's body can raise anything; the user needs its first line
-        raise InputError(f"--adapter {spec}: cannot import {module_name!r} ({_one_line(err)})") from None
-    for part in attribute.split("."):
-        if not hasattr(target, part):
-            raise InputError(f"--adapter {spec}: module {module_name!r} has no {attribute!r}")
-        target = getattr(target, part)
+    target = import_named(spec, "--adapter", "MODULE:FUNCTION", "mypkg.adapters:load_huginn")
     if not callable(target):
-        raise InputError(f"--adapter {spec}: {attribute!r} is a {type(target).__name__}, not a function")
+        raise InputError(f"--adapter {spec}: {spec.partition(':')[2]!r} is a {type(target).__name__}, not a function")
     return target
 
 
@@ -211,7 +203,8 @@ def adapter_config_json(spec: str, args: Sequence[tuple[str, str]], adapted: Ada
             "adapter_args": dict(args),
             "model_class": f"{type(adapted.model).__module__}.{type(adapted.model).__qualname__}",
             "optimizer_class": type(adapted.optimizer).__name__,
-            "depth_kwarg": adapted.depth_kwarg,
+            "depth_kwarg": adapted.depth_kwarg if adapted.family is None else adapted.family.depth_kwarg,
+            "model_family": None if adapted.family is None else adapted.family.name,
             "grad_clip": adapted.grad_clip,
             "precision": adapted.precision,
             "eval_mask": adapted.eval_mask is not None,

@@ -48,6 +48,7 @@ from common.benefit import benefit_description
 from common.choices import ISOLATE_CHOICES, PRECISION_CHOICES, RMS_MATCH_CHOICES
 from common.depths import SERVING_DEPTHS, UPDATE_DEPTHS, checked_depths
 from common.errors import InputError
+from diag.families import ModelFamily, keyword_family
 from diag.optim_step import OptimizerStep, optimizer_step
 from trainer.loss import clip_gradients_, counted_targets, forward_precision, summed_token_loss
 from trainer.model import IGNORE_INDEX, LoopedTransformer
@@ -61,7 +62,10 @@ class DiagnosticOptions:
     serving_depths: tuple[int, ...] = SERVING_DEPTHS
     """Depths every updated model is evaluated at."""
     depth_kwarg: str = "depth"
-    """Keyword the model's forward takes the depth as (e.g. 'num_steps' for Huginn)."""
+    """Keyword the model's forward takes the depth as, one int, full backprop; `family` says more."""
+    family: ModelFamily | None = None
+    """How to call the model for a gradient and an evaluation at a depth (diag/families.py,
+    e.g. diag.families.HUGINN: a pair num_steps, truncated backprop); None: `depth_kwarg`."""
     isolate: str = "counterfactual"
     """'counterfactual': Delta(g) - Delta(0); 'none': Delta(g); 'linear': first-order term of Delta at 0."""
     rms_match: str = "reference"
@@ -84,6 +88,14 @@ class DiagnosticOptions:
             raise InputError("serving_depths must not be empty")
         if not self.depth_kwarg.isidentifier():
             raise InputError(f"depth_kwarg must be a keyword name, got {self.depth_kwarg!r}")
+        if self.family is not None:
+            if not isinstance(self.family, ModelFamily):
+                raise InputError(f"family must be a diag.families.ModelFamily, got {type(self.family).__name__}")
+            if self.depth_kwarg not in ("depth", self.family.depth_kwarg):
+                raise InputError(
+                    f"depth_kwarg={self.depth_kwarg!r} contradicts family {self.family.name!r}, whose depth "
+                    f"keyword is {self.family.depth_kwarg!r}: give one or the other"
+                )
         if self.isolate not in ISOLATE_CHOICES:
             raise InputError(f"isolate must be one of {ISOLATE_CHOICES}, got {self.isolate!r}")
         if self.rms_match not in RMS_MATCH_CHOICES:
@@ -289,9 +301,10 @@ def _check_gradient_coverage(trainable: list[str], grads: Sequence[Tensor | None
     shown = ", ".join(modules[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
     raise InputError(
         f"{len(missing)} of {len(trainable)} trainable parameters get no gradient at update depth {depth} "
-        f"({shown}); usually the model runs its loop without gradient for this call (Huginn-style models do "
-        "for an integer num_steps); call it as it trains, or freeze parameters the loss never reaches "
-        "(requires_grad=False)"
+        f"({shown}); usually the model runs its loop without gradient for this call (a Huginn-convention "
+        "forward does for an integer num_steps); call it as it trains through its model family "
+        "(family=diag.families.HUGINN, --family huginn: docs/diagnostic.md), or freeze parameters the loss "
+        "never reaches (requires_grad=False)"
     )
 
 
@@ -336,7 +349,9 @@ class UpdateDiagnostic:
         self.buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
         self.device = next(iter(values.values())).device if values else torch.device("cpu")
         self.eval_tokens = _check_tokens(eval_tokens, "eval_tokens").to(self.device)
-        _check_depth_kwarg(model, options.depth_kwarg)
+        self.family: ModelFamily = options.family or keyword_family(options.depth_kwarg)
+        """How the model is called for a gradient and for an evaluation at a depth."""
+        _check_depth_kwarg(model, self.family.depth_kwarg)
         self.vocab_size, self.random_forward = self._probe()
         """V: the last dimension of the model's logits (every token id must be below it), and
         whether the forward draws random numbers."""
@@ -385,7 +400,7 @@ class UpdateDiagnostic:
             with torch.no_grad(), _module_mode(self.model, training=False), common_random_numbers():
                 before = _rng_states()
                 output = torch.func.functional_call(
-                    self.model, self._state(self.theta), (probe,), {self.options.depth_kwarg: depth}
+                    self.model, self._state(self.theta), (probe,), self.family.eval_call(depth)
                 )
                 random = random or any(not torch.equal(a, b) for a, b in zip(before, _rng_states()))
             logits = output_logits(output)
@@ -396,9 +411,10 @@ class UpdateDiagnostic:
                 )
             outputs.append(logits)
         if len(outputs) == 2 and torch.equal(outputs[0], outputs[1]):
+            keyword = self.family.depth_kwarg
             raise InputError(
-                f"depth_kwarg={self.options.depth_kwarg!r}: {type(self.model).__name__}'s output is the same at "
-                f"{self.options.depth_kwarg}={depths[0]} and {depths[-1]}, so the keyword does not set its depth "
+                f"depth_kwarg={keyword!r}: {type(self.model).__name__}'s output is the same at "
+                f"{keyword}={depths[0]} and {depths[-1]}, so the keyword does not set its depth "
                 f"(its forward accepts {_accepted_keywords(self.model)}); name the keyword that sets the number "
                 "of loop iterations, e.g. depth_kwarg='num_steps' for Huginn-style models"
             )
@@ -421,7 +437,7 @@ class UpdateDiagnostic:
         with torch.enable_grad(), common_random_numbers():
             with forward_precision(self.device.type, self.options.precision), _module_mode(self.model, training=True):
                 output = torch.func.functional_call(
-                    self.model, self._state(leaves), (batch[:, :-1],), {self.options.depth_kwarg: int(depth)}
+                    self.model, self._state(leaves), (batch[:, :-1],), self.family.gradient_call(depth)
                 )
             # Training's loss (trainer/loss.py): summed, then divided by the counted targets.
             loss = summed_token_loss(output_logits(output), batch[:, 1:]) / float(counted_targets(batch))
@@ -465,7 +481,7 @@ class UpdateDiagnostic:
                 batch_size=self.options.eval_batch_size,
                 counts=self._chunk_counts,
                 state=functools.partial(self._state, params),
-                depth_kwarg=self.options.depth_kwarg,
+                depth_call=self.family.eval_call,
             )
         return nll.cpu().numpy()
 
@@ -520,6 +536,9 @@ class UpdateDiagnostic:
             "precision": opts.precision,
             "random_forward": int(self.random_forward),
         }
+        if opts.family is not None:
+            attrs["model_family"] = opts.family.name
+            attrs["backprop"] = opts.family.backprop_text()
         if len(set(lrs)) > 1:
             attrs["group_lrs"] = json.dumps(lrs)
         ds = xr.Dataset(
@@ -540,6 +559,7 @@ def compare_updates(
     update_depths: Sequence[int] = UPDATE_DEPTHS,
     serving_depths: Iterable[int] = SERVING_DEPTHS,
     depth_kwarg: str = "depth",
+    family: ModelFamily | None = None,
     isolate: str = "counterfactual",
     rms_match: str = "reference",
     lr: float | None = None,
@@ -559,6 +579,7 @@ def compare_updates(
         update_depths=tuple(update_depths),
         serving_depths=tuple(serving_depths),
         depth_kwarg=depth_kwarg,
+        family=family,
         isolate=isolate,
         rms_match=rms_match,
         lr=lr,

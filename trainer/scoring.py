@@ -2,7 +2,7 @@
 one batch or a whole evaluation set, and the bioS recall (trainer/bios.py).
 
 Any model whose forward takes the depth as a keyword (`model(input_ids, depth=K)`,
-or another keyword: `depth_kwarg`) and returns logits [B, T, V] or an object with
+or other keywords: `depth_call`) and returns logits [B, T, V] or an object with
 `.logits` can be scored. A LoopedTransformer reads out every wanted depth from one
 pass of max(depths) iterations (its `logits_by_depth` / `nll_by_depth`); other
 models get one forward per depth.
@@ -15,6 +15,7 @@ evaluates updated weights that way without touching the model.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,6 +31,15 @@ from trainer.model import IGNORE_INDEX
 StateFn = Callable[[], dict[str, Tensor]]
 """Gives the parameters and buffers (by state_dict name) to run a model with; called
 once per forward, so that each forward can get fresh copies of buffers it may write."""
+
+
+DepthCall = Callable[[int], dict[str, Any]]
+"""The forward's keywords for serving at a depth (a model family's `eval_call`)."""
+
+
+def depth_keyword(depth: int) -> dict[str, Any]:
+    """This project's convention: `model(input_ids, depth=K)`."""
+    return {"depth": depth}
 
 
 def output_logits(output) -> Tensor:
@@ -58,12 +68,12 @@ class NllByDepth(nn.Module):
 
 
 def _forward_per_depth(
-    model: nn.Module, input_ids: Tensor, depths: Sequence[int], *, state: StateFn | None, depth_kwarg: str
+    model: nn.Module, input_ids: Tensor, depths: Sequence[int], *, state: StateFn | None, depth_call: DepthCall
 ) -> Iterator[tuple[int, Tensor]]:
     """(depth, logits [B, T, V]) from one forward per depth, in the order given: the
     fallback for models without a one-pass readout."""
     for depth in depths:
-        kwargs = {depth_kwarg: depth}
+        kwargs = depth_call(depth)
         if state is None:
             output = model(input_ids, **kwargs)
         else:
@@ -78,7 +88,7 @@ def logits_by_depth(model: nn.Module, input_ids: Tensor, depths: Sequence[int]) 
     if hasattr(model, "logits_by_depth"):
         yield from model.logits_by_depth(input_ids, wanted)
         return
-    yield from _forward_per_depth(model, input_ids, wanted, state=None, depth_kwarg="depth")
+    yield from _forward_per_depth(model, input_ids, wanted, state=None, depth_call=depth_keyword)
 
 
 def nll_by_depth(
@@ -88,7 +98,7 @@ def nll_by_depth(
     depths: Sequence[int],
     *,
     state: StateFn | None = None,
-    depth_kwarg: str = "depth",
+    depth_call: DepthCall = depth_keyword,
 ) -> Tensor:
     """Mean token NLL of `targets` [B, T] (IGNORE_INDEX skipped) given `input_ids` [B, T]
     at each depth, float32 [len(depths)] in the order given: from one pass of the model's
@@ -103,7 +113,7 @@ def nll_by_depth(
     return torch.stack(
         [
             F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
-            for _, logits in _forward_per_depth(model, input_ids, depths, state=state, depth_kwarg=depth_kwarg)
+            for _, logits in _forward_per_depth(model, input_ids, depths, state=state, depth_call=depth_call)
         ]
     )
 
@@ -125,7 +135,7 @@ def mean_nll_by_depth(
     batch_size: int = 32,
     counts: Sequence[int] | None = None,
     state: StateFn | None = None,
-    depth_kwarg: str = "depth",
+    depth_call: DepthCall = depth_keyword,
     device: str | torch.device | None = None,
     progress: bool = False,
 ) -> Tensor:
@@ -134,7 +144,7 @@ def mean_nll_by_depth(
 
     `tokens` int64 [N, T+1] give the inputs tokens[:, :-1]; the targets are tokens[:, 1:]
     or `targets` [N, T] (e.g. with some masked to IGNORE_INDEX). Chunks of `batch_size`
-    rows go through `nll_by_depth` (with `state`, `depth_kwarg`); each chunk's mean is
+    rows go through `nll_by_depth` (with `state`, `depth_call`); each chunk's mean is
     weighted by its counted targets (`counts`, from `chunk_counts` when not given) and
     accumulated in float64."""
     device = tokens.device if device is None else torch.device(device)
@@ -148,7 +158,7 @@ def mean_nll_by_depth(
         if count == 0:
             continue
         rows, chunk_targets = rows.to(device), chunk_targets.to(device)  # [b, T+1], [b, T]
-        nll = nll_by_depth(model, rows[:, :-1], chunk_targets, depths, state=state, depth_kwarg=depth_kwarg)
+        nll = nll_by_depth(model, rows[:, :-1], chunk_targets, depths, state=state, depth_call=depth_call)
         total += nll.double() * count
     return total / sum(counts)
 
