@@ -32,17 +32,20 @@ from analysis.downstream import downstream_dataset
 from common.errors import EXIT_BAD_INPUT, InputError
 from common.progress import progress_bar
 from common.provenance import package_version
+from diag.hf import HfInput, read_hf_config, served_hf_model
 from trainer.distributed import resolve_device
 
 
 @dataclass(frozen=True)
 class DownstreamConfig:
-    checkpoint: Path
-    """A checkpoint or snapshot file (trainer/checkpoint.py)."""
+    checkpoint: Path | None
+    """A checkpoint or snapshot file (trainer/checkpoint.py); None with `hf`."""
     tasks: tuple[str, ...]
     """lm-eval task, group or tag names."""
     serving_depths: tuple[int, ...]
     """The depths every task is evaluated at."""
+    hf: HfInput | None = None
+    """A Hugging Face model folder instead of `checkpoint`, served as its model family serves (diag/hf.py)."""
     include_path: Path | None = None
     """A folder of task YAML files besides lm-eval's own (its --include_path)."""
     limit: int | float | None = None
@@ -57,6 +60,8 @@ class DownstreamConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        if (self.checkpoint is None) == (self.hf is None):
+            raise InputError("give CHECKPOINT or --hf DIR (a Hugging Face model folder), one of them")
         if not self.tasks or any(not task for task in self.tasks):
             raise InputError(f"--tasks {','.join(self.tasks)!r}: expected task names separated by commas")
         repeated = sorted({task for task in self.tasks if self.tasks.count(task) > 1})
@@ -167,12 +172,15 @@ def evaluate_downstream(config: DownstreamConfig) -> xr.Dataset:
     manager = task_manager(config.include_path, config.tasks)
     check_tasks(manager, config.tasks, config.include_path)
     loaded = load_tasks(manager, config.tasks, config.num_fewshot)
+    device = resolve_device(config.device)
+    served = None if config.hf is None else served_hf_model(config.hf, config.tokenizer, device)
     model = DepthdiagLM(
         config.checkpoint,
+        served=served,
         depths=config.serving_depths,
         tokenizer=config.tokenizer,
         batch_size=config.batch_size,
-        device=str(resolve_device(config.device)),
+        device=str(device),
         progress=config.progress,
     )
     started = time.time()
@@ -187,12 +195,18 @@ def evaluate_downstream(config: DownstreamConfig) -> xr.Dataset:
             bar.update(1)
             bar.set_postfix_str(_headline(results["results"], depth))
     snapshot = model.snapshot
+    if snapshot is None:
+        source = {**model.served.info, "config": json.dumps(read_hf_config(config.hf.folder), sort_keys=True)}
+    else:
+        source = {
+            "checkpoint": str(snapshot.path),
+            "checkpoint_sha256": snapshot.sha256,
+            "step": snapshot.step,
+            "uniform_updates": snapshot.uniform_updates,
+            "config": snapshot.config.to_json(),
+        }
     attrs = {
-        "checkpoint": str(snapshot.path),
-        "checkpoint_sha256": snapshot.sha256,
-        "step": snapshot.step,
-        "uniform_updates": snapshot.uniform_updates,
-        "config": snapshot.config.to_json(),
+        **source,
         "tokenizer": model.tokenizer.name,
         "lm_eval_version": metadata.version("lm_eval"),
         "task_versions": json.dumps(first.get("versions", {}), sort_keys=True, default=str),

@@ -60,6 +60,8 @@ from common.provenance import provenance
 from diag.adapter import AdaptedModel, adapter_config_json, load_adapter
 from diag.engine import DiagnosticOptions, UpdateDiagnostic, bias_correction_message
 from diag.evalset import evaluation_set, resolve_eval_set
+from diag.hf import DEFAULT_BATCHES as DEFAULT_HF_BATCHES
+from diag.hf import HfInput, hf_adapted_model, hf_config_json
 from trainer.checkpoint import Snapshot, load_snapshot
 from trainer.data import build_source
 from trainer.distributed import resolve_device
@@ -85,6 +87,8 @@ class DiagnoseConfig:
     """'module:function' returning a diag.AdaptedModel: a model from another codebase instead of snapshots."""
     adapter_args: tuple[tuple[str, str], ...] = ()
     """(KEY, VALUE) keyword arguments of the adapter function, values as strings."""
+    hf: HfInput | None = None
+    """A Hugging Face model folder (and its tokens, optimizer state) instead of snapshots (diag/hf.py)."""
     update_depths: tuple[int, ...] = UPDATE_DEPTHS
     """Depths of the compared updates; the first is the reference."""
     serving_depths: tuple[int, ...] = SERVING_DEPTHS
@@ -121,16 +125,34 @@ class DiagnoseConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "snapshots", tuple(str(p) for p in self.snapshots))
-        if not self.snapshots and self.adapter is None:
-            raise InputError("no snapshot files given (or --adapter MODULE:FUNCTION for a model from another codebase)")
-        if self.snapshots and self.adapter is not None:
-            raise InputError("snapshot files and --adapter exclude each other: diagnose one or the other")
+        given = [
+            what
+            for what, value in (("snapshot files", self.snapshots), ("--adapter", self.adapter), ("--hf", self.hf))
+            if value
+        ]
+        if not given:
+            raise InputError(
+                "no snapshot files given (or --hf DIR, a Hugging Face model folder, or --adapter MODULE:FUNCTION "
+                "for a model from another codebase)"
+            )
+        if len(given) > 1:
+            raise InputError(f"{' and '.join(given)} exclude each other: diagnose one or the other")
         if self.adapter_args and self.adapter is None:
             raise InputError("--adapter-arg needs --adapter: it is an argument of the adapter function")
         if self.adapter is not None and self.eval_set == "attributes":
             raise InputError(
                 f"--adapter {self.adapter}: --eval-set attributes needs a bioS run's snapshots; "
                 "an adapter's model is scored on its eval_tokens"
+            )
+        if self.hf is not None and self.eval_set == "attributes":
+            raise InputError(
+                f"--hf {self.hf.folder}: --eval-set attributes needs a bioS run's snapshots; "
+                "a model folder is scored on the evaluation set of --data"
+            )
+        if self.hf is not None and self.hf.estimate_optimizer is not None and self.lr is None:
+            raise InputError(
+                f"--hf {self.hf.folder}: --estimate-optimizer needs --lr, the learning rate of the estimated "
+                "step (a model without a Trainer state has none of its own)"
             )
         if self.batches is not None and self.batches < 1:
             raise InputError(f"--batches must be >= 1, got {self.batches}")
@@ -199,12 +221,46 @@ class _Entry:
 def _adapter_entry(config: DiagnoseConfig) -> _Entry:
     spec = config.adapter
     adapted = load_adapter(spec, config.adapter_args)
+    config_json = adapter_config_json(spec, config.adapter_args, adapted)
+    return _adapted_entry(config, adapted, option=f"--adapter {spec}", path=spec, config_json=config_json)
+
+
+def _hf_entry(config: DiagnoseConfig) -> _Entry:
+    source = config.hf
+    source = replace(source, lr=config.lr)
+    adapted, step = hf_adapted_model(
+        source,
+        batches=config.batches or DEFAULT_HF_BATCHES,
+        update_depths=config.update_depths,
+        device=config.device,
+    )
+    config_json = hf_config_json(source, adapted)
+    option = f"--hf {source.folder}"
+    return _adapted_entry(
+        config, adapted, option=option, path=source.folder, config_json=config_json, step=step, batch_source="hf-data"
+    )
+
+
+def _adapted_entry(
+    config: DiagnoseConfig,
+    adapted: AdaptedModel,
+    *,
+    option: str,
+    path: str,
+    config_json: str,
+    step: int | None = None,
+    batch_source: str = "adapter",
+) -> _Entry:
+    """The one entry of a model handed over whole (an adapter's, a Hugging Face folder's), its
+    diagnostic built, and so every input checked, before anything is written; `option` starts
+    every error message."""
     wanted = config.batches or len(adapted.batches)
     if wanted > len(adapted.batches):
-        raise InputError(f"--adapter {spec}: returned {len(adapted.batches)} batches, --batches asks for {wanted}")
+        raise InputError(f"{option}: returned {len(adapted.batches)} batches, --batches asks for {wanted}")
     options = replace(
         config.diagnostic,
         depth_kwarg=adapted.depth_kwarg,
+        family=adapted.family,
         grad_clip=adapted.grad_clip,
         lr=config.lr if config.lr is not None else adapted.lr,
         precision=adapted.precision,
@@ -216,18 +272,20 @@ def _adapter_entry(config: DiagnoseConfig) -> _Entry:
         for i in range(wanted):
             diagnostic.check_batch(adapted.batches[i], f"batch {i}")
     except InputError as err:
-        raise InputError(f"--adapter {spec}: {err}") from None
-    steps = [float(s["step"]) for s in adapted.optimizer.state.values() if "step" in s]
+        raise InputError(f"{option}: {err}") from None
+    if step is None:
+        steps = [float(s["step"]) for s in adapted.optimizer.state.values() if "step" in s]
+        step = int(max(steps)) if steps else 0
     return _Entry(
-        name=adapted.name or spec,
-        path=spec,
+        name=adapted.name or path,
+        path=path,
         sha256=adapted.fingerprint(),
-        step=int(max(steps)) if steps else 0,
+        step=step,
         uniform_updates=0,
         lr=diagnostic.step.lrs[0],
         batches=wanted,
-        batch_source="adapter",
-        config_json=adapter_config_json(spec, config.adapter_args, adapted),
+        batch_source=batch_source,
+        config_json=config_json,
         eval_set="snapshot",
         adapted=adapted,
         diagnostic=diagnostic,
@@ -237,6 +295,8 @@ def _adapter_entry(config: DiagnoseConfig) -> _Entry:
 def _entries(config: DiagnoseConfig) -> list[_Entry]:
     if config.adapter is not None:
         return [_adapter_entry(config)]
+    if config.hf is not None:
+        return [_hf_entry(config)]
     entries, first = [], None
     for path in config.snapshots:
         snap = load_snapshot(path)
@@ -599,6 +659,12 @@ def _assemble(config: DiagnoseConfig, entries: list[_Entry], manifest: dict, par
         "diagnose_manifest": json.dumps(manifest, sort_keys=True),
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
+    for key in ("model_family", "backprop"):
+        if key in unit_attrs:
+            attrs[key] = str(unit_attrs[key])
+    adapted = entries[0].adapted
+    if adapted is not None and adapted.optimizer_state is not None:
+        attrs["optimizer_state"] = adapted.optimizer_state
     if len(set(configs.values())) > 1:
         attrs["snapshot_configs"] = json.dumps({k: json.loads(v) for k, v in configs.items()}, sort_keys=True)
     ds = xr.Dataset(variables, coords=coords, attrs=attrs)

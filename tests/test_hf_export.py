@@ -472,3 +472,24 @@ def test_lm_evals_hf_model_scores_the_export_as_depthdiag_lm_eval_does(bin_run, 
             shallow = max(shallow, abs(scored - log_likelihood(context, continuation, 1)))
     assert largest < 1e-4 and shallow > 1e-2, (largest, shallow)
 
+
+def test_lm_eval_hf_serves_the_export_as_the_checkpoint_at_every_depth(bin_run, transformers, tmp_path, monkeypatch):
+    """`depthdiag lm-eval --hf DIR` (the depthdiag family, the folder's tokenizer.json) gives the
+    checkpoint's own `depthdiag lm-eval` numbers at each serving depth."""
+    pytest.importorskip("lm_eval")
+    from analysis.downstream import open_downstream
+
+    source, out, _, _ = bin_run
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))
+    monkeypatch.chdir(ROOT)  # the task file names its data relative to the repository
+    common = ["--tasks", "tiny_mc", "--include-path", str(TASKS), "--serving", "1,4", "--no-progress"]
+    results = {}
+    for name, model in (("checkpoint", [str(source)]), ("hf", ["--hf", str(out), "--trust-remote-code"])):
+        code = CliRunner().invoke(main, ["lm-eval", *model, *common, "--out", str(tmp_path / f"{name}.h5")])
+        assert code.exit_code == 0, code.stderr
+        results[name] = open_downstream(tmp_path / f"{name}.h5").sel(task="tiny_mc")
+    for metric in ("acc", "acc_norm"):
+        assert results["hf"][metric].values.tolist() == pytest.approx(
+            results["checkpoint"][metric].values.tolist(), abs=1e-9
+        )
+    assert results["hf"].attrs["model_family"] == "depthdiag" and results["hf"].attrs["hf_folder"] == str(out)

@@ -45,7 +45,7 @@ from common.errors import InputError
 from common.progress import progress_bar
 from trainer.checkpoint import load_snapshot
 from trainer.distributed import resolve_device
-from trainer.text_tokens import resolve_tokenizer
+from trainer.text_tokens import FileTokenizer, resolve_tokenizer
 
 MODEL_NAME = "depthdiag"
 """The name the wrapper is registered under (`lm_eval --model depthdiag`)."""
@@ -59,6 +59,22 @@ log = logging.getLogger(__name__)
 
 
 # --- the model ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A model from elsewhere (a Hugging Face folder, diag/hf.py) for the wrapper to serve."""
+
+    name: str
+    """What it is called in messages (its folder)."""
+    model: torch.nn.Module
+    """Served at depth s as `model(input_ids, depth=s)` -> logits, with `model.logits_by_depth(ids, depths)`."""
+    tokenizer: FileTokenizer
+    """Its text tokenizer."""
+    max_length: int
+    """The longest input it takes."""
+    info: dict
+    """What lm-eval stores about it (get_model_info) and results files record."""
 
 
 @dataclass(frozen=True)
@@ -81,9 +97,10 @@ class DepthdiagLM(TemplateLM):
 
     def __init__(
         self,
-        checkpoint: str | Path,
+        checkpoint: str | Path | None = None,
         depth: int | None = None,
         *,
+        served: ServedModel | None = None,
         depths: Sequence[int] | None = None,
         tokenizer: str | Path | None = None,
         batch_size: int | str | None = None,
@@ -92,17 +109,26 @@ class DepthdiagLM(TemplateLM):
         progress: bool = True,
     ):
         super().__init__()
+        if (checkpoint is None) == (served is None):
+            raise InputError("give a checkpoint (model_args checkpoint=PATH) or a served model, one of them")
         if depth is None and not depths:
-            raise InputError(f"{checkpoint}: give the serving depth (model_args depth=K)")
+            raise InputError(f"{checkpoint or served.name}: give the serving depth (model_args depth=K)")
         wanted = sorted({int(d) for d in (depths or ())} | ({int(depth)} if depth is not None else set()))
         if wanted[0] < 1:
             raise InputError(f"serving depths must be >= 1, got {wanted}")
         self.depths = tuple(wanted)
-        snapshot = load_snapshot(checkpoint)
-        self.snapshot = snapshot
         self._device = _device(device)
-        self.model = snapshot.model(self._device).eval()
-        self.tokenizer = resolve_tokenizer(snapshot.config, tokenizer, snapshot.path)
+        self.served = served
+        """The model from elsewhere served, or None for a checkpoint."""
+        if served is None:
+            snapshot = load_snapshot(checkpoint)
+            self.snapshot = snapshot
+            self.model = snapshot.model(self._device).eval()
+            self.tokenizer = resolve_tokenizer(snapshot.config, tokenizer, snapshot.path)
+            self._max_length = snapshot.config.model.max_seq_len
+        else:
+            self.snapshot = None
+            self.model, self.tokenizer, self._max_length = served.model, served.tokenizer, served.max_length
         self.batch_size = _batch_size(batch_size)
         self.progress = progress
         self.depth = int(depth) if depth is not None else self.depths[-1]
@@ -125,7 +151,7 @@ class DepthdiagLM(TemplateLM):
 
     @property
     def max_length(self) -> int:
-        return self.model.config.max_seq_len
+        return self._max_length
 
     @property
     def tokenizer_name(self) -> str:
@@ -139,12 +165,12 @@ class DepthdiagLM(TemplateLM):
 
     def get_model_info(self) -> dict:
         """What lm-eval stores in its results' config about the model."""
-        return {
-            "checkpoint": str(self.snapshot.path),
-            "checkpoint_sha256": self.snapshot.sha256,
-            "serving_depth": self.depth,
-            "tokenizer": self.tokenizer.name,
-        }
+        source = (
+            dict(self.served.info)
+            if self.snapshot is None
+            else {"checkpoint": str(self.snapshot.path), "checkpoint_sha256": self.snapshot.sha256}
+        )
+        return {**source, "serving_depth": self.depth, "tokenizer": self.tokenizer.name}
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         # Tokenizing is quick; the progress worth showing is the scoring's own bar.

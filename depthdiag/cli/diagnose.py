@@ -16,6 +16,7 @@ from depthdiag.cli.app import reports_errors
 from depthdiag.cli.options import (
     device_option,
     eval_batch_size_option,
+    hf_input_options,
     max_depth_option,
     no_progress_option,
     serving_option,
@@ -104,6 +105,7 @@ def _diagnose_kept(out: str, **_) -> str:
 )
 @no_progress_option
 @reports_errors(kept=_diagnose_kept)
+@hf_input_options(training=True)
 def diagnose(
     snapshots: tuple[str, ...],
     out: str,
@@ -122,10 +124,12 @@ def diagnose(
     resume: bool,
     force: bool,
     no_progress: bool,
+    hf,
 ) -> None:
     """Compare single updates at several depths from each SNAPSHOT (snapshot or checkpoint
-    files of one run), or from the model an --adapter function returns, on its batches;
-    write nll, benefit and update statistics to OUT.
+    files of one run), from a Hugging Face model folder (--hf DIR, on batches of --data), or
+    from the model an --adapter function returns, on its batches; write nll, benefit and
+    update statistics to OUT.
 
     \b
     Benefit(s) = NLL after the first depth's update - NLL after the last depth's update,
@@ -144,6 +148,7 @@ def diagnose(
         out=out,
         adapter=adapter,
         adapter_args=parse_adapter_args(adapter_args),
+        hf=hf,
         update_depths=parse_update_depths(update_depths, limit=max_depth),
         serving_depths=parse_serving_depths(serving, limit=max_depth),
         batches=batches,

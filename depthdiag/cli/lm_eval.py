@@ -10,6 +10,7 @@ from depthdiag.cli.app import reports_errors
 from depthdiag.cli.options import (
     device_option,
     eval_batch_size_option,
+    hf_input_options,
     max_depth_option,
     no_progress_option,
     serving_option,
@@ -17,7 +18,7 @@ from depthdiag.cli.options import (
 
 
 @click.command("lm-eval")
-@click.argument("checkpoint", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("checkpoint", required=False, type=click.Path(dir_okay=False, path_type=Path))
 @click.option(
     "--tasks",
     required=True,
@@ -61,8 +62,9 @@ from depthdiag.cli.options import (
 @device_option
 @no_progress_option
 @reports_errors
+@hf_input_options(tokens=False)
 def lm_eval_run(
-    checkpoint: Path,
+    checkpoint: Path | None,
     tasks: str,
     serving: str,
     max_depth: int,
@@ -75,10 +77,12 @@ def lm_eval_run(
     batch_size: int,
     device: str,
     no_progress: bool,
+    hf,
 ) -> None:
-    """Downstream accuracy of CHECKPOINT (a checkpoint or snapshot) on lm-evaluation-harness
-    tasks at every --serving depth, into one file (draw it with `plot --figure 3-downstream`).
-    Needs the eval extra: pip install -e .[eval].
+    """Downstream accuracy of CHECKPOINT (a checkpoint or snapshot), or of a Hugging Face model
+    folder (--hf DIR, served at each depth as its model family serves, with the folder's
+    tokenizer.json), on lm-evaluation-harness tasks at every --serving depth, into one file
+    (draw it with `plot --figure 3-downstream`). Needs the eval extra: pip install -e .[eval].
 
     \b
     Every request is scored at all serving depths from one pass of the deepest, so depths
@@ -97,6 +101,7 @@ def lm_eval_run(
     require_harness()
     config = DownstreamConfig(
         checkpoint=checkpoint,
+        hf=hf,
         tasks=parse_tasks(tasks),
         serving_depths=parse_serving_depths(serving, limit=max_depth),
         include_path=include_path,
@@ -107,10 +112,11 @@ def lm_eval_run(
         device=device,
         progress=not no_progress,
     )
-    check_output(out, kind=RESULTS_FILE, inputs=[checkpoint], force=force)
+    source = checkpoint if hf is None else hf.folder
+    check_output(out, kind=RESULTS_FILE, inputs=[source], force=force)
     # The lock is held over the whole evaluation: a second writer of --out is refused at once,
     # not after hours of evaluating.
-    with claimed_outputs([out], kind=RESULTS_FILE, inputs=[checkpoint], force=force):
+    with claimed_outputs([out], kind=RESULTS_FILE, inputs=[source], force=force):
         ds = evaluate_downstream(config)
         click.echo(format_downstream(ds))
         write_dataset(ds, out)

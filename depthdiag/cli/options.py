@@ -9,9 +9,11 @@ import click
 from common.choices import (
     DEVICE_CHOICES,
     INTERVAL_METHOD_CHOICES,
+    PRECISION_CHOICES,
     RESAMPLES_RANGE,
 )
 from common.depths import MAX_SERVING_DEPTH, SERVING_DEPTHS, depths_text
+from common.errors import InputError
 
 
 def stacked(*options):
@@ -82,3 +84,125 @@ def interval_options(command):
         return command(*args, options=IntervalOptions(level=level, method=method, n_resamples=n_resamples), **kwargs)
 
     return _interval_option_declarations(with_options)
+
+
+_hf_model_declarations = (
+    click.option(
+        "--hf",
+        "hf_folder",
+        type=click.Path(file_okay=False),
+        default=None,
+        help="Instead of CHECKPOINT, a Hugging Face model folder (config.json and weights; for diagnose a "
+        "transformers.Trainer checkpoint-N/ supplies the optimizer state too). docs/diagnostic.md.",
+    ),
+    click.option(
+        "--family",
+        default=None,
+        metavar="NAME|MODULE:NAME",
+        help="How to call the --hf model at a depth: depthdiag, huginn, or a diag.families.ModelFamily of "
+        "your own [default: from config.json's model_type].",
+    ),
+    click.option("--trust-remote-code", is_flag=True, help="Run the model code that ships in the --hf folder."),
+)
+_hf_token_declarations = (
+    click.option(
+        "--data",
+        type=click.Path(file_okay=False),
+        default=None,
+        help="With --hf: a prepare folder (train.bin, val.bin) giving the batches and the evaluation set.",
+    ),
+    click.option(
+        "--seq-len", type=click.IntRange(min=1), default=256, show_default=True, help="With --hf: tokens per row."
+    ),
+    click.option(
+        "--eval-sequences",
+        type=click.IntRange(min=1),
+        default=64,
+        show_default=True,
+        help="With --hf: rows of the evaluation set, evenly spaced windows of val.bin.",
+    ),
+)
+_hf_training_declarations = (
+    click.option(
+        "--train-batch-size",
+        type=click.IntRange(min=1),
+        default=8,
+        show_default=True,
+        help="With --hf: rows per diagnosed batch (batch i is the data's batch for seed 0, step i).",
+    ),
+    click.option(
+        "--estimate-optimizer",
+        type=click.IntRange(min=1),
+        default=None,
+        metavar="N",
+        help="With --hf and no Trainer optimizer state: estimate Adam's second moments from N gradient passes "
+        "(a labelled alternative, recorded in the results; docs/diagnostic.md). Needs --lr.",
+    ),
+    click.option(
+        "--grad-clip",
+        type=click.FloatRange(min=0),
+        default=1.0,
+        show_default=True,
+        help="With --hf: clip the gradient's norm as training did (the Trainer's default; 0: none).",
+    ),
+    click.option(
+        "--precision",
+        type=click.Choice(PRECISION_CHOICES),
+        default="fp32",
+        show_default=True,
+        help="With --hf: the gradients' precision, as the model trained.",
+    ),
+)
+
+
+def hf_input_options(*, training: bool = False, tokens: bool = True):
+    """--hf DIR and what a model folder needs besides (its family, remote code; with `tokens` the
+    token data; with `training` the batch size, optimizer alternative, clipping and precision of
+    the gradients), handed to the command as one `hf`: a diag.hf.HfInput, or None without --hf."""
+
+    def decorate(command):
+        @functools.wraps(command)
+        def with_hf(*args, hf_folder, family, trust_remote_code, data=None, seq_len=0, eval_sequences=0, **kwargs):
+            training_values = {
+                key: kwargs.pop(key)
+                for key in ("train_batch_size", "estimate_optimizer", "grad_clip", "precision")
+                if key in kwargs
+            }
+            if hf_folder is None:
+                given = [name for name, value in (("--family", family), ("--data", data)) if value is not None]
+                given += ["--trust-remote-code"] if trust_remote_code else []
+                given += ["--estimate-optimizer"] if training_values.get("estimate_optimizer") is not None else []
+                if given:
+                    raise InputError(f"{', '.join(given)}: only with --hf DIR (a Hugging Face model folder)")
+                return command(*args, hf=None, **kwargs)
+            from diag.hf import HfInput, TokenSpec
+
+            token_spec = None
+            if tokens:
+                if data is None:
+                    raise InputError(f"--hf {hf_folder}: give --data DIR, a prepare folder of the model's tokens")
+                token_spec = TokenSpec(
+                    data=data,
+                    batch_size=training_values.get("train_batch_size", 8),
+                    seq_len=seq_len,
+                    eval_sequences=eval_sequences,
+                )
+            hf = HfInput(
+                folder=hf_folder,
+                tokens=token_spec,
+                family=family,
+                trust_remote_code=trust_remote_code,
+                estimate_optimizer=training_values.get("estimate_optimizer"),
+                grad_clip=training_values.get("grad_clip") or None,
+                precision=training_values.get("precision", "fp32"),
+            )
+            return command(*args, hf=hf, **kwargs)
+
+        declarations = (
+            *_hf_model_declarations,
+            *(_hf_token_declarations if tokens else ()),
+            *(_hf_training_declarations if training else ()),
+        )
+        return stacked(*declarations)(with_hf)
+
+    return decorate

@@ -13,6 +13,7 @@ from depthdiag.cli.app import reports_errors
 from depthdiag.cli.options import (
     device_option,
     eval_batch_size_option,
+    hf_input_options,
     max_depth_option,
     no_progress_option,
     serving_option,
@@ -118,7 +119,7 @@ def train_run(
 
 
 @click.command("eval")
-@click.argument("checkpoint", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("checkpoint", required=False, type=click.Path(dir_okay=False, path_type=Path))
 @serving_option
 @click.option(
     "--out",
@@ -132,8 +133,9 @@ def train_run(
 @eval_batch_size_option("--batch-size")
 @no_progress_option
 @reports_errors
+@hf_input_options(training=False)
 def eval_checkpoint(
-    checkpoint: Path,
+    checkpoint: Path | None,
     serving: str,
     out: Path | None,
     force: bool,
@@ -141,26 +143,43 @@ def eval_checkpoint(
     device: str,
     batch_size: int,
     no_progress: bool,
+    hf,
 ) -> None:
     """Mean token NLL of CHECKPOINT (a checkpoint or snapshot) at each serving depth on its
-    evaluation set; for the bioS task also the recalled bits per person."""
+    evaluation set; for the bioS task also the recalled bits per person. With --hf DIR instead,
+    a Hugging Face model folder on the evaluation set of --data, called at each depth as its
+    model family serves."""
     from analysis.store import RESULTS_FILE
     from common.depths import parse_serving_depths
     from common.outputs import check_outputs
-    from trainer.evaluate import evaluate_checkpoint, format_table
+    from trainer.evaluate import format_table
 
+    if (checkpoint is None) == (hf is None):
+        raise InputError("give CHECKPOINT or --hf DIR (a Hugging Face model folder), one of them")
     depths = parse_serving_depths(serving, limit=max_depth)
-    check_outputs([out] if out is not None else [], kind=RESULTS_FILE, inputs=[checkpoint], force=force)
-    ds = evaluate_checkpoint(checkpoint, depths, device=device, batch_size=batch_size, progress=not no_progress)
-    click.echo(
-        f"{checkpoint}: step {ds.attrs['step']}, {ds.attrs['uniform_updates']} uniform updates, "
-        f"{ds.attrs['eval_sequences']} evaluation sequences"
-    )
+    source = checkpoint if hf is None else hf.folder
+    check_outputs([out] if out is not None else [], kind=RESULTS_FILE, inputs=[source], force=force)
+    if hf is None:
+        from trainer.evaluate import evaluate_checkpoint
+
+        ds = evaluate_checkpoint(checkpoint, depths, device=device, batch_size=batch_size, progress=not no_progress)
+        click.echo(
+            f"{checkpoint}: step {ds.attrs['step']}, {ds.attrs['uniform_updates']} uniform updates, "
+            f"{ds.attrs['eval_sequences']} evaluation sequences"
+        )
+    else:
+        from diag.hf import evaluate_hf
+
+        ds = evaluate_hf(hf, depths, device=device, batch_size=batch_size, progress=not no_progress)
+        click.echo(
+            f"{hf.folder}: model family {ds.attrs['model_family']}, {ds.attrs['eval_sequences']} evaluation "
+            f"sequences of {ds.attrs['seq_len']} tokens from {ds.attrs['data']}"
+        )
     click.echo(format_table(ds))
     if out is not None:
         from analysis.store import write_results
 
-        click.echo(f"wrote {write_results(ds, out, force=force, inputs=[checkpoint])}")
+        click.echo(f"wrote {write_results(ds, out, force=force, inputs=[source])}")
 
 
 def resolve_run_dir(config_path: str | Path, out: str | Path | None, resume: str | Path | None) -> tuple[Path, bool]:
