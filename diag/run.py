@@ -236,8 +236,15 @@ def _hf_entry(config: DiagnoseConfig) -> _Entry:
     )
     config_json = hf_config_json(source, adapted)
     option = f"--hf {source.folder}"
+    # An estimated state's step count only silences bias correction: the model's step is unknown (0).
     return _adapted_entry(
-        config, adapted, option=option, path=source.folder, config_json=config_json, step=step, batch_source="hf-data"
+        config,
+        adapted,
+        option=option,
+        path=source.folder,
+        config_json=config_json,
+        step=0 if step is None else step,
+        batch_source="hf-data",
     )
 
 
