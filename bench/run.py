@@ -119,6 +119,12 @@ def figures(results: dict) -> list[dict]:
             "<= 0.15",
             "",
         ),
+        _row(
+            "the same monitor through the transformers.Trainer callback, fraction of training time",
+            results["monitor_callback"]["fraction"],
+            "<= 0.15",
+            "",
+        ),
         _row("`depthdiag --help` wall time", results["help_seconds"], "< 0.5", "s"),
     ]
 
@@ -148,6 +154,7 @@ def main() -> None:
     import bench_diag
     import bench_model
     import bench_monitor
+    import bench_monitor_callback
     import bench_train
 
     began = time.perf_counter()
@@ -161,6 +168,8 @@ def main() -> None:
         results[name] = module.run(args.config) if name != "train" else module.run(args.config, [])
     print("bench: monitor ...", file=sys.stderr, flush=True)
     results["monitor"] = bench_monitor.run(args.monitor_config)
+    print("bench: monitor through the Trainer callback ...", file=sys.stderr, flush=True)
+    results["monitor_callback"] = bench_monitor_callback.run(args.monitor_config)
     results["figures"] = figures(results)
     results["seconds"] = time.perf_counter() - began
     out = Path(args.out)

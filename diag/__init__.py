@@ -5,7 +5,8 @@
 runs one (snapshot, batch) unit; `UpdateDiagnostic` shares the per-snapshot work
 (Delta(0), the NLL before the update) across batches; `diag.run.diagnose` runs
 many snapshot files, or the `AdaptedModel` an adapter function returns, into one
-results file. See docs/diagnostic.md.
+results file; `diag.save_snapshot` writes a snapshot folder from any training loop that
+`depthdiag diagnose` reads (`diag.load_snapshot_folder` loads one). See docs/diagnostic.md.
 
 The names below load on first use: `import depthdiag.cli` (the `depthdiag` command)
 must not pay for importing torch and xarray just to print its help.
@@ -16,6 +17,7 @@ from importlib import import_module
 _HOMES = {
     "AdaptedModel": "diag.adapter",
     "BiasCorrectionWarning": "diag.engine",
+    "DepthMonitor": "diag.monitor",
     "DiagnosticOptions": "diag.engine",
     "UpdateDiagnostic": "diag.engine",
     "compare_updates": "diag.engine",
@@ -24,6 +26,8 @@ _HOMES = {
     "match_rms": "diag.engine",
     "OptimizerStep": "diag.optim_step",
     "optimizer_step": "diag.optim_step",
+    "load_snapshot_folder": "diag.snapshot_folder",
+    "save_snapshot": "diag.snapshot_folder",
 }
 
 __all__ = sorted(_HOMES)

@@ -32,21 +32,25 @@ and resumed run writes the same file as one that was never interrupted.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
-from collections.abc import Iterator
-from dataclasses import asdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import xarray as xr
 
-from analysis.monitor import KIND, NO_SWITCH, describe, open_monitor
+from analysis.monitor import KIND, NO_SWITCH, describe, is_monitor_file, open_monitor
 from analysis.store import write_dataset
 from common.benefit import benefit_description
+from common.depths import SERVING_DEPTHS, UPDATE_DEPTHS
 from common.errors import InputError
 from diag.engine import DiagnosticOptions, UpdateDiagnostic
 from diag.evalset import evaluation_set, resolve_eval_set
+from diag.families import ModelFamily
 from trainer.config import RunConfig
 from trainer.data import TokenSource, build_source
 from trainer.optim import OPTIMIZER_CLASSES, lr_at
@@ -83,61 +87,208 @@ def untouched_process_state(device: torch.device) -> Iterator[None]:
         torch.set_grad_enabled(grad)
 
 
-class UpdateMonitor:
-    """The hook of trainer/hooks.py for one run (rank 0): checks due steps into RUN/monitor.h5.
+BatchStream = Callable[[int, int], torch.Tensor]
+"""(step, i) -> batch i of the check after `step` updates, int64 [B, T+1]: the monitor's own
+batches, which the training's data order never sees."""
 
-    Construction is cheap (the data source and the evaluation set are built at the first
-    check, which only rank 0 runs), so every torchrun rank may build one."""
 
-    def __init__(self, config: RunConfig, run_dir: str | Path):
-        if not config.monitor.enabled:
-            raise InputError("monitor.every is 0: the monitor is off")
-        self.config = config
-        self.path = Path(run_dir) / MONITOR_FILE
-        self.schedule = parse_schedule(
-            config.train.schedule, seed=config.train.seed, total_updates=config.train.updates
+def window_batches(tokens: torch.Tensor | np.ndarray, *, batch_size: int, seq_len: int, seed: int = 0) -> BatchStream:
+    """A monitor batch stream from a flat array of token ids (e.g. a memmap of train.bin): batch
+    i of the check after `step` updates is `batch_size` windows of seq_len + 1 tokens whose starts
+    are drawn from a generator seeded (seed, step, i, MONITOR_SALT), a pure function of those, so
+    a resumed run draws the same batches and the training's own data order is never touched."""
+    flat = tokens.detach().cpu().numpy() if torch.is_tensor(tokens) else np.asarray(tokens)
+    if flat.ndim != 1 or not np.issubdtype(flat.dtype, np.integer):
+        raise InputError("window_batches takes a flat array of integer token ids")
+    last_start = len(flat) - seq_len - 1
+    if last_start < 0:
+        raise InputError(f"window_batches: {len(flat)} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+
+    def batch(step: int, i: int) -> torch.Tensor:
+        starts = seeded_generator(seed, step, i, MONITOR_SALT).integers(0, last_start + 1, size=batch_size)
+        index = starts[:, None] + np.arange(seq_len + 1)  # [batch_size, seq_len + 1]
+        return torch.from_numpy(flat[index].astype(np.int64))
+
+    return batch
+
+
+def main_process() -> bool:
+    """Rank 0 of torchrun (or a single process): the one that checks; the others go on."""
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or (
+        torch.distributed.get_rank() == 0
+    )
+
+
+class DepthMonitor:
+    """The update diagnostic inside a training loop, every `every` updates (and at the extra
+    `check_steps`, e.g. a schedule's switch), into one monitor file (analysis/monitor.py's
+    schema, which `summarize`, `plot --figure monitor` and `recommend` read).
+
+    The loop calls `after_update(step, model, optimizer)` after each update (step = updates
+    done; the optimizer then holds the learning rate of the next update). A check runs the
+    diagnostic on clones of the model and the optimizer with the monitor's own batches
+    (`batches(step, i)`, supplied by the caller) inside a guard that restores every process
+    RNG, the grad mode and autocast, so the training that follows is the training without
+    the monitor, to the bit. Under torchrun only rank 0 checks; the others return at once.
+    The whole (small) file is rewritten atomically after each check.
+
+    Resume: `resume(step)` (or `start_step` at construction) keeps the checks of the file
+    before `step` and recomputes the rest, so a killed and resumed run writes the file of an
+    uninterrupted one; a file written with other settings (`identity`) is refused.
+
+    `depthdiag train` runs this monitor too, configured from the run (`UpdateMonitor`)."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        batches: BatchStream,
+        eval_tokens: torch.Tensor,
+        every: int,
+        eval_mask: torch.Tensor | None = None,
+        batches_per_check: int = 4,
+        update_depths: Sequence[int] = UPDATE_DEPTHS,
+        serving_depths: Sequence[int] = SERVING_DEPTHS,
+        lr: float | Callable[[int], float] | None = None,
+        grad_clip: float | None = None,
+        precision: str = "fp32",
+        family: ModelFamily | None = None,
+        depth_kwarg: str = "depth",
+        schedule: str | None = None,
+        updates: int | None = None,
+        seed: int = 0,
+        check_steps: Sequence[int] = (),
+        description: Mapping[str, Any] | None = None,
+        start_step: int | None = None,
+    ):
+        if not (isinstance(every, int) and every >= 0):
+            raise InputError(f"every must be a number of updates >= 0, got {every!r}")
+        if not (isinstance(batches_per_check, int) and batches_per_check >= 1):
+            raise InputError(f"batches_per_check must be >= 1, got {batches_per_check!r}")
+        self.path = Path(path)
+        self._batch_stream = batches
+        self._eval = (eval_tokens, eval_mask)
+        self.every = every
+        self.batches_per_check = batches_per_check
+        self._lr = lr
+        self._options = DiagnosticOptions(
+            update_depths=tuple(update_depths),
+            serving_depths=tuple(serving_depths),
+            grad_clip=grad_clip,
+            precision=precision,
+            family=family,
+            depth_kwarg=depth_kwarg,
         )
-        self.eval_set = resolve_eval_set(config.monitor.eval_set, config, "monitor.eval_set")
+        self.schedule = None if schedule is None else parse_schedule(schedule, seed=seed, total_updates=updates)
+        """The depth schedule training draws from (trainer/schedules.py), when it follows one:
+        its switch is checked, and each check records its depth distribution."""
+        self.updates = updates
+        self._seed = seed
+        switch = None if self.schedule is None else self.schedule.switch_step
+        self.check_steps = frozenset(int(s) for s in check_steps) | ({switch} if switch is not None else set())
+        """Steps checked besides the multiples of `every`."""
+        self.description = dict(description or {})
+        """What the file's `config` attribute says of the run (JSON), besides the monitor's settings."""
         self._checks: list[xr.Dataset] = []
         self._attrs: dict = {}
-        self._source = None
-        self._eval: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._resumed = False
+        if start_step is not None:
+            self.resume(start_step)
 
     # --- which steps ---
 
     def due(self, step: int) -> bool:
-        """Whether a check runs after `step` updates."""
-        return step > 0 and (step % self.config.monitor.every == 0 or step == self.schedule.switch_step)
+        """Whether a check runs after `step` updates (never before the first update)."""
+        return step > 0 and ((self.every > 0 and step % self.every == 0) or step in self.check_steps)
 
-    def steps(self) -> list[int]:
-        """Every step a full run checks, in order."""
-        return [step for step in range(self.config.train.updates + 1) if self.due(step)]
+    def steps(self, updates: int | None = None) -> list[int]:
+        """Every step a run of `updates` updates (default: the schedule's) checks, in order."""
+        total = self.updates if updates is None else updates
+        if total is None:
+            raise InputError("steps() needs the run's number of updates")
+        return [step for step in range(total + 1) if self.due(step)]
 
-    # --- the hook ---
+    # --- what a check uses (`UpdateMonitor` takes them from the run) ---
 
-    @property
-    def source(self) -> TokenSource:
-        """The run's data source (built on first use)."""
-        if self._source is None:
-            self._source = build_source(self.config.data)
-        return self._source
+    def batches(self, step: int) -> list[torch.Tensor]:
+        """The check's batches, int64 [B, T+1] each."""
+        return [self._batch_stream(step, i) for i in range(self.batches_per_check)]
 
     @property
     def evaluation(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(eval_tokens int64 [E, T+1], eval_mask bool [E, T] or None) every check scores."""
-        if self._eval is None:
-            rows = self.config.monitor.eval_sequences
-            self._eval = evaluation_set(self.eval_set, self.config, rows=rows, source=self.source)
         return self._eval
 
+    def options(self, step: int) -> DiagnosticOptions:
+        """The diagnostic's options of the check after `step` updates: the learning rate is
+        `lr` (a number, or a function of the step), or None: each param group's own, which after
+        an update is the next update's when the loop's scheduler has stepped."""
+        lr = self._lr(step) if callable(self._lr) else self._lr
+        return replace(self._options, lr=lr)
+
+    def identity(self) -> str:
+        """What a resumed run must share with the file's writer (its `config` attribute)."""
+        settings = {
+            "every": self.every,
+            "batches_per_check": self.batches_per_check,
+            "update_depths": list(self._options.update_depths),
+            "serving_depths": list(self._options.serving_depths),
+            "lr": self._lr if isinstance(self._lr, (int, float)) or self._lr is None else "per step",
+            "grad_clip": self._options.grad_clip,
+            "precision": self._options.precision,
+            "model_family": None if self._options.family is None else self._options.family.name,
+            "depth_kwarg": self._options.depth_kwarg,
+            "schedule": None if self.schedule is None else self.schedule.spec,
+            "updates": self.updates,
+            "seed": self._seed,
+            "check_steps": sorted(self.check_steps),
+        }
+        return json.dumps({"depth_monitor": settings, **self.description}, sort_keys=True, default=str)
+
+    def file_attrs(self) -> dict:
+        """The file's attributes: the run (as `description` tells it), the settings, the versions."""
+        from common.provenance import provenance
+
+        used = self.options(0)
+        switch = None if self.schedule is None else self.schedule.switch_step
+        eval_tokens, eval_mask = self.evaluation
+        return {
+            "kind": KIND,
+            "config": self.identity(),
+            "monitor": json.dumps(json.loads(self.identity())["depth_monitor"], sort_keys=True),
+            "schedule": "" if self.schedule is None else self.schedule.spec,
+            "switch_step": NO_SWITCH if switch is None else int(switch),
+            "updates": -1 if self.updates is None else int(self.updates),
+            "eval_set": "given" if eval_mask is None else "given, masked",
+            "eval_sequences": int(eval_tokens.shape[0]),
+            "isolate": used.isolate,
+            "rms_match": used.rms_match,
+            "grad_clip": float(used.grad_clip or 0.0),
+            "precision": used.precision,
+            "batch_stream": "batch i of the check after step updates: the caller's batches(step, i)",
+            **(
+                {}
+                if used.family is None
+                else {"model_family": used.family.name, "backprop": used.family.backprop_text()}
+            ),
+            **provenance(),
+        }
+
+    # --- the hook (trainer/hooks.py) ---
+
     def resume(self, step: int) -> None:
-        """Keep the checks before `step` from RUN/monitor.h5 (none for a fresh run) and write
-        the file back with those alone."""
+        """Keep the checks before `step` of the file (none for a fresh run: step 0) and write the
+        file back with those alone."""
         self._attrs = self.file_attrs()
         self._checks = []
+        self._resumed = True
+        if not main_process():
+            return
+        if self.path.exists() and not is_monitor_file(self.path):
+            raise InputError(f"{self.path}: exists and is not a monitor file; the monitor writes nothing over it")
         if step > 0 and self.path.is_file():
             stored = open_monitor(self.path)
-            if stored.attrs.get("config") != self.config.to_json():
+            if stored.attrs.get("config") != self._attrs["config"]:
                 raise InputError(f"{self.path}: written by a run of another config; move it away to resume")
             kept = stored.sel(step=stored["step"].values < step)
             if kept.sizes["step"]:
@@ -145,35 +296,33 @@ class UpdateMonitor:
         self._write()
 
     def after_update(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        if not self.due(step):
+        """Check the model and optimizer after `step` updates when the step is due (rank 0 only)."""
+        if not self.due(step) or not main_process():
             return
-        if not self._attrs:
-            raise RuntimeError("UpdateMonitor.resume must be called before after_update")
+        if not self._resumed:
+            self.resume(0)
+        if "optimizer" not in self._attrs:
+            self._attrs["optimizer"] = type(optimizer).__name__
         device = next(model.parameters()).device
         with untouched_process_state(device):
             self._checks.append(self.check(step, model, optimizer))
         self._write()
 
     def close(self) -> None:
-        self._checks, self._attrs, self._source, self._eval = [], {}, None, None
+        self._checks, self._attrs, self._resumed = [], {}, False
 
     # --- one check ---
 
-    def options(self, step: int) -> DiagnosticOptions:
-        mc, cfg = self.config.monitor, self.config
-        return DiagnosticOptions(
-            update_depths=mc.update_depths,
-            serving_depths=mc.serving_depths,
-            lr=lr_at(step, cfg.optim, cfg.train.updates),
-            grad_clip=cfg.optim.grad_clip or None,
-            precision=cfg.train.precision,
-        )
-
-    def batches(self, step: int) -> list[torch.Tensor]:
-        """The check's batches, int64 [B, T+1] each (the run's global batch shape)."""
-        tc = self.config.train
-        seed = monitor_batch_seed(tc.seed, step)
-        return [self.source.batch(seed, i, tc.batch_size, tc.seq_len) for i in range(self.config.monitor.batches)]
+    def depth_distribution(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(depths, probability of each as the training depth at `step`): the schedule's, or
+        NaN over 1..the deepest depth compared when training follows no schedule the monitor knows."""
+        if self.schedule is None:
+            deepest = max(*self._options.update_depths, *self._options.serving_depths)
+            depths = np.arange(1, deepest + 1, dtype=np.int64)
+            return depths, np.full(len(depths), np.nan)
+        depths = np.arange(1, self.schedule.max_depth + 1, dtype=np.int64)
+        distribution = self.schedule.depth_distribution(step)
+        return depths, np.array([distribution.get(int(d), 0.0) for d in depths])
 
     def check(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> xr.Dataset:
         """The diagnostic of the model and optimizer after `step` updates: a Dataset with a
@@ -183,12 +332,11 @@ class UpdateMonitor:
         units = [diagnostic.compare(batch) for batch in self.batches(step)]
         stacked = xr.concat([unit[[n for n in PER_BATCH if n in unit]] for unit in units], dim="batch")
         stacked = stacked.assign_coords(batch=np.arange(len(units), dtype=np.int64))
-        depths = np.arange(1, self.schedule.max_depth + 1, dtype=np.int64)
-        distribution = self.schedule.depth_distribution(step)
+        depths, probability = self.depth_distribution(step)
         ds = stacked.assign(
             nll_before=units[0]["nll_before"],
-            lr=((), np.float64(diagnostic.options.lr)),
-            depth_probability=(("depth",), np.array([distribution.get(int(d), 0.0) for d in depths])),
+            lr=((), np.float64(diagnostic.step.lrs[0] if diagnostic.options.lr is None else diagnostic.options.lr)),
+            depth_probability=(("depth",), probability),
         ).assign_coords(depth=depths)
         ds.attrs = dict(units[0].attrs)
         return ds.expand_dims(step=[step])
@@ -202,10 +350,71 @@ class UpdateMonitor:
         ds = xr.concat(self._checks, dim="step", combine_attrs="override") if len(self._checks) > 1 else self._checks[0]
         ds = ds.transpose("step", "batch", "update_depth", "serving_depth", "depth")
         ds.attrs = dict(self._attrs)
-        ds["benefit"].attrs["description"] = benefit_description(
-            self.config.monitor.update_depths[0], self.config.monitor.update_depths[-1]
-        )
+        update_depths = self._options.update_depths
+        ds["benefit"].attrs["description"] = benefit_description(update_depths[0], update_depths[-1])
         return describe(ds)
+
+    def _write(self) -> None:
+        ds = self.dataset()
+        if ds is None:
+            self.path.unlink(missing_ok=True)
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_dataset(ds, self.path)
+
+
+class UpdateMonitor(DepthMonitor):
+    """The DepthMonitor of a depthdiag run (rank 0): the run's config says everything, into
+    RUN/monitor.h5 (see the module docstring).
+
+    Construction is cheap (the data source and the evaluation set are built at the first
+    check, which only rank 0 runs), so every torchrun rank may build one."""
+
+    def __init__(self, config: RunConfig, run_dir: str | Path):
+        if not config.monitor.enabled:
+            raise InputError("monitor.every is 0: the monitor is off")
+        mc, tc = config.monitor, config.train
+        self.config = config
+        self.eval_set = resolve_eval_set(mc.eval_set, config, "monitor.eval_set")
+        self._source = None
+        self._evaluation: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        super().__init__(
+            Path(run_dir) / MONITOR_FILE,
+            batches=self._run_batch,
+            eval_tokens=torch.empty(0, 2, dtype=torch.long),  # built on first use: `evaluation`
+            every=mc.every,
+            batches_per_check=mc.batches,
+            update_depths=mc.update_depths,
+            serving_depths=mc.serving_depths,
+            lr=functools.partial(lr_at, optim=config.optim, total_updates=tc.updates),
+            grad_clip=config.optim.grad_clip or None,
+            precision=tc.precision,
+            schedule=tc.schedule,
+            updates=tc.updates,
+            seed=tc.seed,
+        )
+
+    @property
+    def source(self) -> TokenSource:
+        """The run's data source (built on first use)."""
+        if self._source is None:
+            self._source = build_source(self.config.data)
+        return self._source
+
+    def _run_batch(self, step: int, i: int) -> torch.Tensor:
+        tc = self.config.train
+        return self.source.batch(monitor_batch_seed(tc.seed, step), i, tc.batch_size, tc.seq_len)
+
+    @property
+    def evaluation(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The run's evaluation set at monitor.eval_sequences rows, as diagnose chooses it."""
+        if self._evaluation is None:
+            rows = self.config.monitor.eval_sequences
+            self._evaluation = evaluation_set(self.eval_set, self.config, rows=rows, source=self.source)
+        return self._evaluation
+
+    def identity(self) -> str:
+        return self.config.to_json()
 
     def file_attrs(self) -> dict:
         """The file's attributes: the run, the monitor's settings and the versions."""
@@ -235,13 +444,9 @@ class UpdateMonitor:
             **provenance(),
         }
 
-    def _write(self) -> None:
-        ds = self.dataset()
-        if ds is None:
-            self.path.unlink(missing_ok=True)
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_dataset(ds, self.path)
+    def close(self) -> None:
+        super().close()
+        self._source, self._evaluation = None, None
 
 
 def train_with_monitor(

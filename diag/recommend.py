@@ -22,7 +22,8 @@ from analysis.stats import IntervalOptions
 from common.errors import InputError
 from common.outputs import GRID_SPEC_HEADER
 from trainer.config import RunConfig
-from trainer.flops import UNIFORM_REFERENCE, flops_report
+from trainer.flops import UNIFORM_REFERENCE, flops_report, mean_depth
+from trainer.model import ModelConfig
 from trainer.schedules import FixedFirstSchedule, parse_schedule
 
 PAPER_SWITCH = 0.8
@@ -69,24 +70,68 @@ class Recommendation:
     """1 - recommended / uniform:1-16 modeled FLOPs."""
     saving_vs_paper: float
     """1 - recommended / paper modeled FLOPs (negative: the recommendation costs more)."""
-    batch_size: int
-    seq_len: int
+    batch_size: int | None
+    seq_len: int | None
     include_embeddings: bool
+    cost_model: str = "modeled FLOPs"
+    """'modeled FLOPs' (trainer/flops.py on the pilot's depthdiag model), or 'core iterations'
+    for a pilot monitored in another codebase (diag.DepthMonitor): every update costs its depth."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def _pilot(ds, source: Path) -> tuple[RunConfig, FixedFirstSchedule]:
+@dataclasses.dataclass(frozen=True)
+class _Pilot:
+    """What the pilot run's monitor file says of the run."""
+
+    schedule: FixedFirstSchedule
+    updates: int
+    seed: int
+    model: ModelConfig | None
+    """The depthdiag model, for modeled FLOPs; None for a model of another codebase."""
+    batch_size: int | None = None
+    seq_len: int | None = None
+
+
+def _pilot(ds, source: Path) -> _Pilot:
     text = ds.attrs.get("config")
     if not isinstance(text, str):
         raise InputError(f"{source}: no run config (attribute 'config') to read the pilot's schedule and model from")
-    config = RunConfig.from_json(text, source=str(source))
-    train = config.train
-    schedule = parse_schedule(train.schedule, seed=train.seed, total_updates=train.updates)
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError:
+        document = None
+    if isinstance(document, dict) and "depth_monitor" in document:  # diag.DepthMonitor in another loop
+        settings = document["depth_monitor"]
+        spec, updates, seed = settings.get("schedule"), settings.get("updates"), settings.get("seed", 0)
+        if not spec or not isinstance(updates, int):
+            raise InputError(
+                f"{source}: the monitor was given no depth schedule and number of updates "
+                "(DepthMonitor(schedule=..., updates=...)): there is no switch to size a finishing phase from"
+            )
+        schedule = parse_schedule(spec, seed=seed, total_updates=updates)
+        model = batch_size = seq_len = None
+    else:
+        config = RunConfig.from_json(text, source=str(source))
+        train = config.train
+        spec, updates, seed = train.schedule, train.updates, train.seed
+        schedule = parse_schedule(spec, seed=seed, total_updates=updates)
+        model, batch_size, seq_len = config.model, train.batch_size, train.seq_len
     if not isinstance(schedule, FixedFirstSchedule):
-        raise InputError(f"{source}: the pilot's schedule {train.schedule} is not fixed-first: there is no switch")
-    return config, schedule
+        raise InputError(f"{source}: the pilot's schedule {spec} is not fixed-first: there is no switch")
+    return _Pilot(schedule, updates, seed, model, batch_size, seq_len)
+
+
+def _core_iterations(specs: list[str], *, updates: int, seed: int) -> list[ScheduleCompute]:
+    """Each schedule's training depth summed over `updates` updates, relative to uniform:1-16's:
+    the compute of a model whose every update costs its depth (the looped part alone)."""
+    uniform = mean_depth(parse_schedule(UNIFORM_REFERENCE, seed=seed, total_updates=updates))
+    rows = []
+    for spec in specs:
+        depth = mean_depth(parse_schedule(spec, seed=seed, total_updates=updates))
+        rows.append(ScheduleCompute(spec=spec, modeled_flops=depth * updates, relative_to_uniform=depth / uniform))
+    return rows
 
 
 def fixed_first_spec(k0: int, switch: str, finish: str) -> str:
@@ -105,31 +150,34 @@ def recommend(config: RecommendConfig) -> Recommendation:
         rule=config.rule,
         options=config.options,
     )
-    pilot, schedule = _pilot(ds, config.monitor)
+    pilot = _pilot(ds, config.monitor)
+    schedule = pilot.schedule
     plan = switch_plan(finish.finish_updates, updates=config.updates, margin=config.margin)
     spec = fixed_first_spec(schedule.k0, plan.switch_text, schedule.finish.spec)
     paper_spec = fixed_first_spec(schedule.k0, f"{PAPER_SWITCH:g}", schedule.finish.spec)
-    train = pilot.train
-    planned = parse_schedule(spec, seed=train.seed, total_updates=config.updates)
+    planned = parse_schedule(spec, seed=pilot.seed, total_updates=config.updates)
     if planned.switch_step != plan.switch_step:  # switch_text guarantees it
         raise AssertionError(f"{spec} switches at step {planned.switch_step}, not {plan.switch_step}")
-    report = flops_report(
-        pilot.model,
-        [spec, paper_spec],
-        updates=config.updates,
-        batch_size=train.batch_size,
-        seq_len=train.seq_len,
-        seed=train.seed,
-        include_embeddings=config.include_embeddings,
-    )
-    recommended, paper = (
-        ScheduleCompute(spec=s, modeled_flops=row.modeled_flops, relative_to_uniform=row.relative_to_uniform)
-        for s, row in zip((spec, paper_spec), report.schedules)
-    )
+    if pilot.model is None:
+        recommended, paper = _core_iterations([spec, paper_spec], updates=config.updates, seed=pilot.seed)
+    else:
+        report = flops_report(
+            pilot.model,
+            [spec, paper_spec],
+            updates=config.updates,
+            batch_size=pilot.batch_size,
+            seq_len=pilot.seq_len,
+            seed=pilot.seed,
+            include_embeddings=config.include_embeddings,
+        )
+        recommended, paper = (
+            ScheduleCompute(spec=s, modeled_flops=row.modeled_flops, relative_to_uniform=row.relative_to_uniform)
+            for s, row in zip((spec, paper_spec), report.schedules)
+        )
     return Recommendation(
         monitor=str(config.monitor),
         pilot_schedule=schedule.spec,
-        pilot_updates=train.updates,
+        pilot_updates=pilot.updates,
         finish=finish,
         plan=plan,
         spec=spec,
@@ -138,9 +186,10 @@ def recommend(config: RecommendConfig) -> Recommendation:
         uniform_flops=recommended.modeled_flops / recommended.relative_to_uniform,
         saving_vs_uniform=1 - recommended.relative_to_uniform,
         saving_vs_paper=1 - recommended.modeled_flops / paper.modeled_flops,
-        batch_size=train.batch_size,
-        seq_len=train.seq_len,
+        batch_size=pilot.batch_size,
+        seq_len=pilot.seq_len,
         include_embeddings=config.include_embeddings,
+        cost_model="modeled FLOPs" if pilot.model is not None else "core iterations",
     )
 
 
@@ -166,8 +215,13 @@ def format_recommendation(rec: Recommendation) -> str:
         f"for {plan.updates:,} updates: {switch}, the switch at step {plan.switch_step:,} "
         f"({plan.updates - plan.switch_step:,} finishing updates)",
         f"recommended: {rec.spec}",
-        f"modeled training compute (the pilot's model, {rec.batch_size} x {rec.seq_len} tokens per update, "
-        f"LM head {'included' if rec.include_embeddings else 'excluded'}), over {plan.updates:,} updates:",
+        (
+            f"modeled training compute (the pilot's model, {rec.batch_size} x {rec.seq_len} tokens per update, "
+            f"LM head {'included' if rec.include_embeddings else 'excluded'}), over {plan.updates:,} updates:"
+            if rec.cost_model == "modeled FLOPs"
+            else f"training compute as core iterations (every update costs its depth: the looped part alone; the "
+            f"pilot's model is from another codebase), over {plan.updates:,} updates:"
+        ),
         f"  {rec.spec}: {rec.recommended.relative_to_uniform:.2%} of {UNIFORM_REFERENCE} "
         f"(saves {rec.saving_vs_uniform:.2%})",
         f"  {rec.paper.spec} (the paper's 80% switch): {rec.paper.relative_to_uniform:.2%} of {UNIFORM_REFERENCE}; "

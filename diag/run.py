@@ -29,7 +29,8 @@ step + i, cfg.train.batch_size, cfg.train.seq_len)`.
 In place of snapshot files, an adapter function (diag/adapter.py) may hand the run a model
 from another codebase: it becomes the one entry along `snapshot`, with the sha256 of its
 weights, optimizer state and tokens in place of a file's, through the same units, parts,
-resume and results file.
+resume and results file. Snapshot folders that any training loop wrote with
+`diag.save_snapshot` (diag/snapshot_folder.py) are entries of that kind too, one per folder.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from diag.engine import DiagnosticOptions, UpdateDiagnostic, bias_correction_mes
 from diag.evalset import evaluation_set, resolve_eval_set
 from diag.hf import DEFAULT_BATCHES as DEFAULT_HF_BATCHES
 from diag.hf import HfInput, hf_adapted_model, hf_config_json
+from diag.snapshot_folder import SnapshotFolder, read_snapshot_folder
 from trainer.checkpoint import Snapshot, load_snapshot
 from trainer.data import build_source
 from trainer.distributed import resolve_device
@@ -79,8 +81,8 @@ RMS scales may be NaN for a zero update), with the words an error uses for them.
 @dataclass(frozen=True)
 class DiagnoseConfig:
     snapshots: tuple[str, ...]
-    """Snapshot or checkpoint files of one model config (any order; sorted by (uniform_updates, step));
-    empty with `adapter`."""
+    """Snapshot or checkpoint files of one model config, or snapshot folders (diag.save_snapshot)
+    of one model (any order; sorted by (uniform_updates, step)); empty with `adapter` or `hf`."""
     out: str
     """Results file to write (HDF5); unit files go to OUT.parts/ until the run is complete."""
     adapter: str | None = None
@@ -119,6 +121,9 @@ class DiagnoseConfig:
     """The deepest update or serving depth accepted (a guard against typos such as '4,160')."""
     progress: bool = True
     """Show a progress bar over units (on a terminal)."""
+    trust_remote_code: bool = False
+    """Run the code a snapshot folder's Hugging Face model ships with (its model/ folder's
+    auto_map); `hf` has its own (HfInput.trust_remote_code)."""
     diagnostic: DiagnosticOptions = field(init=False, repr=False, compare=False)
     """The engine's options built from the fields above (fp32, no clipping: each snapshot's
     training settings are added by `_snapshot_options`)."""
@@ -137,6 +142,8 @@ class DiagnoseConfig:
             )
         if len(given) > 1:
             raise InputError(f"{' and '.join(given)} exclude each other: diagnose one or the other")
+        if self.trust_remote_code and not self.snapshots:
+            raise InputError("trust_remote_code is for snapshot folders; a --hf folder's is HfInput.trust_remote_code")
         if self.adapter_args and self.adapter is None:
             raise InputError("--adapter-arg needs --adapter: it is an argument of the adapter function")
         if self.adapter is not None and self.eval_set == "attributes":
@@ -213,9 +220,13 @@ class _Entry:
     eval_set: str
     """The evaluation set it is scored on: 'snapshot' or 'attributes' ('auto' resolved)."""
     adapted: AdaptedModel | None = field(default=None, repr=False, compare=False)
-    """An adapter's model, optimizer and tokens (None for a file)."""
+    """An adapter's model, optimizer and tokens (None for a file, and for each of several snapshot folders)."""
     diagnostic: UpdateDiagnostic | None = field(default=None, repr=False, compare=False)
     """The adapter's diagnostic, built (and so its input checked) before the run writes anything."""
+    snapshot_folder: bool = False
+    """A snapshot folder (diag.save_snapshot): loaded again when its units run unless `adapted` holds it."""
+    optimizer_state: str | None = None
+    """Where the optimizer's state came from, when the model was handed over whole and says (AdaptedModel)."""
 
 
 def _adapter_entry(config: DiagnoseConfig) -> _Entry:
@@ -258,24 +269,14 @@ def _adapted_entry(
     step: int | None = None,
     batch_source: str = "adapter",
 ) -> _Entry:
-    """The one entry of a model handed over whole (an adapter's, a Hugging Face folder's), its
-    diagnostic built, and so every input checked, before anything is written; `option` starts
-    every error message."""
+    """The one entry of a model handed over whole (an adapter's, a Hugging Face folder's, a
+    snapshot folder's), its diagnostic built, and so every input checked, before anything is
+    written; `option` starts every error message."""
     wanted = config.batches or len(adapted.batches)
     if wanted > len(adapted.batches):
         raise InputError(f"{option}: returned {len(adapted.batches)} batches, --batches asks for {wanted}")
-    options = replace(
-        config.diagnostic,
-        depth_kwarg=adapted.depth_kwarg,
-        family=adapted.family,
-        grad_clip=adapted.grad_clip,
-        lr=config.lr if config.lr is not None else adapted.lr,
-        precision=adapted.precision,
-    )
     try:
-        diagnostic = UpdateDiagnostic(
-            adapted.model, adapted.optimizer, adapted.eval_tokens, options, eval_mask=adapted.eval_mask
-        )
+        diagnostic = _adapted_diagnostic(config, adapted)
         for i in range(wanted):
             diagnostic.check_batch(adapted.batches[i], f"batch {i}")
     except InputError as err:
@@ -296,7 +297,71 @@ def _adapted_entry(
         eval_set="snapshot",
         adapted=adapted,
         diagnostic=diagnostic,
+        optimizer_state=adapted.optimizer_state,
     )
+
+
+def _adapted_diagnostic(config: DiagnoseConfig, adapted: AdaptedModel) -> UpdateDiagnostic:
+    """The run's diagnostic of a model handed over whole, with its own way of being called,
+    clipping and precision; the learning rate is --lr, or the model's (None: each group's own)."""
+    options = replace(
+        config.diagnostic,
+        depth_kwarg=adapted.depth_kwarg,
+        family=adapted.family,
+        grad_clip=adapted.grad_clip,
+        lr=config.lr if config.lr is not None else adapted.lr,
+        precision=adapted.precision,
+    )
+    return UpdateDiagnostic(adapted.model, adapted.optimizer, adapted.eval_tokens, options, eval_mask=adapted.eval_mask)
+
+
+def _folder_entries(config: DiagnoseConfig) -> list[_Entry]:
+    """An entry per snapshot folder, each loaded and checked as `_adapted_entry` checks a model
+    handed over. One folder stays loaded for the run; of several, each is loaded again when its
+    units run (as snapshot files are), so that one model at a time is in memory."""
+    if config.eval_set == "attributes":
+        raise InputError(
+            f"{config.snapshots[0]}: --eval-set attributes needs a bioS run's snapshot files; "
+            "a snapshot folder's model is scored on its eval_tokens"
+        )
+    folders = [read_snapshot_folder(path) for path in config.snapshots]
+    first = folders[0]
+    for folder in folders[1:]:
+        differ = [key for key, value in first.settings().items() if folder.settings()[key] != value]
+        if differ:
+            raise InputError(
+                f"{folder.path}: {', '.join(differ)} differ from {first.path}'s; "
+                "diagnose snapshot folders of one model, trained one way, at a time"
+            )
+    out = Path(config.out).resolve()
+    entries = []
+    for folder in folders:
+        if out.is_relative_to(folder.path.resolve()):
+            raise InputError(f"{config.out}: inside the snapshot folder {folder.path}, an input; write it elsewhere")
+        adapted = _load_folder(config, folder)
+        carried = len(adapted.batches)
+        if config.batches is not None and config.batches > carried:
+            raise InputError(f"{folder.path}: carries {carried} batches, --batches asks for {config.batches}")
+        entry = _adapted_entry(
+            config,
+            adapted,
+            option=str(folder.path),
+            path=str(folder.path),
+            config_json=folder.config_json(),
+            step=folder.step,
+            batch_source="snapshot",
+        )
+        entry = replace(entry, snapshot_folder=True)
+        if len(folders) > 1:
+            entry = replace(entry, adapted=None, diagnostic=None)
+        entries.append(entry)
+        del adapted
+    return entries
+
+
+def _load_folder(config: DiagnoseConfig, folder: SnapshotFolder) -> AdaptedModel:
+    """The folder's model on the run's device."""
+    return folder.load(trust_remote_code=config.trust_remote_code, device=resolve_device(config.device))
 
 
 def _entries(config: DiagnoseConfig) -> list[_Entry]:
@@ -304,6 +369,25 @@ def _entries(config: DiagnoseConfig) -> list[_Entry]:
         return [_adapter_entry(config)]
     if config.hf is not None:
         return [_hf_entry(config)]
+    folders = [path for path in config.snapshots if Path(path).is_dir()]
+    if folders and len(folders) < len(config.snapshots):
+        raise InputError(
+            f"{folders[0]}: a snapshot folder, among snapshot files; diagnose snapshot files or snapshot folders"
+        )
+    if config.trust_remote_code and not folders:
+        raise InputError("--trust-remote-code: only with --hf DIR or snapshot folders (it runs a model's own code)")
+    entries = _folder_entries(config) if folders else _file_entries(config)
+    names = [e.name for e in entries]
+    for entry in entries:
+        if names.count(entry.name) > 1:
+            raise InputError(
+                f"{entry.path}: another snapshot has the same name {entry.name!r}; "
+                "the name labels the snapshot in the results"
+            )
+    return sorted(entries, key=lambda e: (e.uniform_updates, e.step))
+
+
+def _file_entries(config: DiagnoseConfig) -> list[_Entry]:
     entries, first = [], None
     for path in config.snapshots:
         snap = load_snapshot(path)
@@ -340,14 +424,7 @@ def _entries(config: DiagnoseConfig) -> list[_Entry]:
             )
         )
         del snap
-    names = [e.name for e in entries]
-    for entry in entries:
-        if names.count(entry.name) > 1:
-            raise InputError(
-                f"{entry.path}: another snapshot has the same file name {entry.name!r}; "
-                "the name labels the snapshot in the results"
-            )
-    return sorted(entries, key=lambda e: (e.uniform_updates, e.step))
+    return entries
 
 
 def _resolve_eval_set(choice: str, snap: Snapshot) -> str:
@@ -548,6 +625,12 @@ def _open(
     if entry.adapted is not None:
         batches = entry.adapted.batches
         return entry.diagnostic, entry.adapted.optimizer, ((i, batches[i]) for i in indices)
+    if entry.snapshot_folder:
+        adapted = _load_folder(config, read_snapshot_folder(entry.path))
+        if adapted.fingerprint() != entry.sha256:
+            raise InputError(f"{entry.path}: the snapshot folder changed while the run was going")
+        batches = adapted.batches
+        return _adapted_diagnostic(config, adapted), adapted.optimizer, ((i, batches[i]) for i in indices)
     snap = _load_again(entry)
     model = snap.model(device)
     optimizer = snap.optimizer(model)
@@ -669,9 +752,8 @@ def _assemble(config: DiagnoseConfig, entries: list[_Entry], manifest: dict, par
     for key in ("model_family", "backprop"):
         if key in unit_attrs:
             attrs[key] = str(unit_attrs[key])
-    adapted = entries[0].adapted
-    if adapted is not None and adapted.optimizer_state is not None:
-        attrs["optimizer_state"] = adapted.optimizer_state
+    if entries[0].optimizer_state is not None:
+        attrs["optimizer_state"] = entries[0].optimizer_state
     if len(set(configs.values())) > 1:
         attrs["snapshot_configs"] = json.dumps({k: json.loads(v) for k, v in configs.items()}, sort_keys=True)
     ds = xr.Dataset(variables, coords=coords, attrs=attrs)

@@ -125,6 +125,12 @@ def test_from_pretrained_gives_the_checkpoints_logits_loss_and_generation_at_eve
         output = loaded(tokens, labels=labels, num_steps=5)
         assert torch.equal(output.loss, expected_loss) and torch.equal(output.logits, by_depth[5])
 
+        # The one-pass readout the diagnostic scores it with: every depth's NLL from one forward.
+        targets = torch.roll(tokens, -1, dims=1)
+        one_pass = loaded.nll_by_depth(tokens, targets, [1, 4, 16])
+        separate = [F.cross_entropy(by_depth[s].flatten(0, 1), targets.flatten()) for s in (1, 4, 16)]
+        torch.testing.assert_close(one_pass, torch.stack(separate), rtol=0, atol=2e-6)
+
         # Generation: the whole window per token, never the last token alone, whatever use_cache says.
         prompt = tokens[:1, :8]
         generated = loaded.generate(prompt, max_new_tokens=6, do_sample=False)  # 14 > max_seq_len: the window slides

@@ -31,7 +31,7 @@ def _diagnose_kept(out: str, **_) -> str:
 
 
 @click.command()
-@click.argument("snapshots", nargs=-1, type=click.Path(dir_okay=False))
+@click.argument("snapshots", nargs=-1, type=click.Path())
 @click.option(
     "--out",
     required=True,
@@ -105,7 +105,7 @@ def _diagnose_kept(out: str, **_) -> str:
 )
 @no_progress_option
 @reports_errors(kept=_diagnose_kept)
-@hf_input_options(training=True)
+@hf_input_options(training=True, snapshot_folders=True)
 def diagnose(
     snapshots: tuple[str, ...],
     out: str,
@@ -125,11 +125,13 @@ def diagnose(
     force: bool,
     no_progress: bool,
     hf,
+    trust_remote_code: bool,
 ) -> None:
     """Compare single updates at several depths from each SNAPSHOT (snapshot or checkpoint
-    files of one run), from a Hugging Face model folder (--hf DIR, on batches of --data), or
-    from the model an --adapter function returns, on its batches; write nll, benefit and
-    update statistics to OUT.
+    files of one run, or snapshot folders any training loop wrote with diag.save_snapshot;
+    --trust-remote-code runs the code of a folder's Hugging Face model), from a Hugging Face
+    model folder (--hf DIR, on batches of --data), or from the model an --adapter function
+    returns, on its batches; write nll, benefit and update statistics to OUT.
 
     \b
     Benefit(s) = NLL after the first depth's update - NLL after the last depth's update,
@@ -162,5 +164,6 @@ def diagnose(
         force=force,
         max_depth=max_depth,
         progress=not no_progress,
+        trust_remote_code=trust_remote_code,
     )
     click.echo(f"wrote {run_diagnose(config)}")

@@ -102,7 +102,11 @@ _hf_model_declarations = (
         help="How to call the --hf model at a depth: depthdiag, huginn, or a diag.families.ModelFamily of "
         "your own [default: from config.json's model_type].",
     ),
-    click.option("--trust-remote-code", is_flag=True, help="Run the model code that ships in the --hf folder."),
+    click.option(
+        "--trust-remote-code",
+        is_flag=True,
+        help="Run the model code that ships in the --hf folder (diagnose: or with a snapshot folder's model).",
+    ),
 )
 _hf_token_declarations = (
     click.option(
@@ -155,10 +159,13 @@ _hf_training_declarations = (
 )
 
 
-def hf_input_options(*, training: bool = False, tokens: bool = True):
+def hf_input_options(*, training: bool = False, tokens: bool = True, snapshot_folders: bool = False):
     """--hf DIR and what a model folder needs besides (its family, remote code; with `tokens` the
     token data; with `training` the batch size, optimizer alternative, clipping and precision of
-    the gradients), handed to the command as one `hf`: a diag.hf.HfInput, or None without --hf."""
+    the gradients), handed to the command as one `hf`: a diag.hf.HfInput, or None without --hf.
+    With `snapshot_folders` the command also gets `trust_remote_code` of its own without --hf,
+    for the model of a snapshot folder (diagnose SNAPSHOT_DIR); with --hf it is False there,
+    the flag being the folder's in `hf`."""
 
     def decorate(command):
         @functools.wraps(command)
@@ -170,10 +177,12 @@ def hf_input_options(*, training: bool = False, tokens: bool = True):
             }
             if hf_folder is None:
                 given = [name for name, value in (("--family", family), ("--data", data)) if value is not None]
-                given += ["--trust-remote-code"] if trust_remote_code else []
+                given += ["--trust-remote-code"] if trust_remote_code and not snapshot_folders else []
                 given += ["--estimate-optimizer"] if training_values.get("estimate_optimizer") is not None else []
                 if given:
                     raise InputError(f"{', '.join(given)}: only with --hf DIR (a Hugging Face model folder)")
+                if snapshot_folders:
+                    kwargs["trust_remote_code"] = trust_remote_code
                 return command(*args, hf=None, **kwargs)
             from diag.hf import HfInput, TokenSpec
 
@@ -196,6 +205,8 @@ def hf_input_options(*, training: bool = False, tokens: bool = True):
                 grad_clip=training_values.get("grad_clip") or None,
                 precision=training_values.get("precision", "fp32"),
             )
+            if snapshot_folders:
+                kwargs["trust_remote_code"] = False
             return command(*args, hf=hf, **kwargs)
 
         declarations = (

@@ -8,6 +8,7 @@ config.json's auto_map. It may import only relatively: the folder is all it has.
                                            (num_steps=None: config.num_steps)
     model(input_ids, labels=input_ids)     also .loss, the mean next-token cross-entropy
     model.generate(input_ids, ...)         every new token from a forward over the whole window
+    model.nll_by_depth(ids, targets, [1, 4, 16])   the mean NLL at each depth from one pass
 
 The looped transformer keeps no key-value cache, so generation recomputes the window (the
 last max_seq_len tokens) for every token, whatever `use_cache` says.
@@ -103,6 +104,13 @@ class DepthdiagForCausalLM(PreTrainedModel, GenerationMixin):
             row = self.model(ids[kept][None], depth=depth)[0]  # [n, V]
             rows.append(row.new_zeros((len(ids), row.shape[-1])).index_copy(0, kept, row))
         return torch.stack(rows)
+
+    def nll_by_depth(self, input_ids: torch.Tensor, targets: torch.Tensor, depths) -> torch.Tensor:
+        """Mean token NLL of `targets` [B, T] (-1 skipped, depthdiag's convention) at every depth
+        in `depths` from ONE pass of max(depths) iterations (LoopedTransformer.nll_by_depth),
+        float32 [len(depths)]: how depthdiag's diagnostic and monitor score this model at many
+        serving depths for the price of the deepest."""
+        return self.model.nll_by_depth(input_ids, targets, depths)
 
     def prepare_inputs_for_generation(
         self,
