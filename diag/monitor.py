@@ -1,12 +1,15 @@
 """The in-training monitor: the update diagnostic on the live model and optimizer, every
-`monitor.every` updates, into RUN/monitor.h5 (analysis/monitor.py has the schema).
+`every` updates, into a monitor file (analysis/monitor.py has the schema).
 
-`depthdiag train` passes an `UpdateMonitor` to `trainer.train.train(..., monitor=)` when
-the config's [monitor] block is on (`train_with_monitor` does it for library callers); the
-training loop calls it through the protocol of trainer/hooks.py and never imports diag.
+`DepthMonitor` is the monitor for any training loop (docs/your-run.md; the Trainer callbacks of
+diag/hf_callbacks.py wrap it): the loop calls `after_update(step, model, optimizer)` and supplies
+the monitor's own batches. `UpdateMonitor` is the same monitor configured from a depthdiag run:
+`depthdiag train` passes one to `trainer.train.train(..., monitor=)` when the config's [monitor]
+block is on (`train_with_monitor` does it for library callers); the training loop calls it
+through the protocol of trainer/hooks.py and never imports diag.
 
-A check after `step` updates, when step is a positive multiple of `every` or the
-schedule's switch step (not step 0: see MonitorConfig):
+A check of a depthdiag run after `step` updates, when step is a positive multiple of
+`monitor.every` or the schedule's switch step (not step 0: see MonitorConfig):
 
 - batches: `monitor.batches` batches of the run's global batch shape from the run's data
   source, through a stream of their own: batch i is `source.batch(seed_s, i, ...)` with

@@ -10,8 +10,8 @@ in flight and, resumed, ends with the same file as an uninterrupted run. A
 resume may drop or replace a snapshot none of whose units is on disk; one with
 finished units must come back as the same file.
 
-The run holds the lock of OUT (common/lock.py) from before it touches anything until it
-ends; the lock covers OUT.parts/ too, so a second run on the same OUT, `--force`
+The run (under torchrun: rank 0) holds the lock of OUT (common/lock.py) from before it touches
+anything until it ends; the lock covers OUT.parts/ too, so a second run on the same OUT, `--force`
 included, is refused with the holder's pid and deletes nothing. A resumed run opens
 every finished unit file before computing: a damaged one is deleted and computed again
 (with a warning naming it), and a complete OUT whose parts directory survived (a kill
@@ -31,12 +31,19 @@ from another codebase: it becomes the one entry along `snapshot`, with the sha25
 weights, optimizer state and tokens in place of a file's, through the same units, parts,
 resume and results file. Snapshot folders that any training loop wrote with
 `diag.save_snapshot` (diag/snapshot_folder.py) are entries of that kind too, one per folder.
+
+Under torchrun (WORLD_SIZE > 1, `_diagnose_across_ranks`) the units are spread over the ranks,
+one device each, into the same parts folder and the same results file as one process writes:
+rank 0 alone holds OUT's lock, prepares and assembles; the ranks only exchange small messages
+over a gloo group. Only snapshot and checkpoint files are spread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+import os
 import re
 import shutil
 import sys
@@ -66,7 +73,7 @@ from diag.hf import HfInput, hf_adapted_model, hf_config_json
 from diag.snapshot_folder import SnapshotFolder, read_snapshot_folder
 from trainer.checkpoint import Snapshot, load_snapshot
 from trainer.data import build_source
-from trainer.distributed import resolve_device
+from trainer.distributed import World, init_world, resolve_device, shutdown_world
 
 MANIFEST = "manifest.json"
 
@@ -777,7 +784,10 @@ def _device(config: DiagnoseConfig, entries: list[_Entry]) -> torch.device:
 
 
 def diagnose(config: DiagnoseConfig) -> Path:
-    """Run every unit of `config` and write the results file; returns its path."""
+    """Run every unit of `config` and write the results file; returns its path. Under torchrun
+    (WORLD_SIZE > 1) every rank calls this and the units are spread over them."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return _diagnose_across_ranks(config)
     out = Path(config.out)
     parts = out.with_name(out.name + ".parts")
     refuse_inputs(out, config.snapshots)
@@ -797,3 +807,185 @@ def diagnose(config: DiagnoseConfig) -> Path:
         write_dataset(_assemble(config, entries, manifest, parts), out)
         shutil.rmtree(parts)
     return out
+
+
+# --- across ranks -------------------------------------------------------------------------------
+#
+# Every rank builds the same entries and manifest (checked: they are gathered and compared).
+# Rank 0 alone takes OUT's lock and holds it to the end; the other ranks never take it, as the
+# lock is per process and they write only unit files into the parts folder rank 0 prepared,
+# atomically and under their own names, as one process does. Rank 0 hands the ordered list of
+# units to do to every rank; unit k goes to rank k % N. The ranks go through the list in
+# rounds of N units and after each round share how theirs went, so that a non-finite unit or
+# an error on one rank stops all of them at once, each with the same one-line error, and
+# nobody writes while rank 0 deletes a diverged snapshot's units. A unit does not depend on
+# which process computes it or on the units computed before it (the resume relies on this
+# too), so the file is the one a single process writes.
+
+
+def _diagnose_across_ranks(config: DiagnoseConfig) -> Path:
+    """`diagnose` on this rank of torchrun's process group (see the comment above)."""
+    if config.adapter is not None or config.hf is not None or any(Path(p).is_dir() for p in config.snapshots):
+        given = "--adapter" if config.adapter else "--hf" if config.hf else "snapshot folders"
+        raise InputError(
+            f"{given}: under torchrun only snapshot or checkpoint files are spread over the ranks; "
+            "diagnose this model in one process"
+        )
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if resolve_device(config.device).type == "cuda" and local_ranks > torch.cuda.device_count():
+        # Every rank sees the same counts and so refuses here, before any waits for the others.
+        raise InputError(
+            f"{local_ranks} ranks on this machine but {torch.cuda.device_count()} CUDA device(s): one each is needed "
+            "(fewer ranks, or --device cpu)"
+        )
+    out = Path(config.out)
+    parts = out.with_name(out.name + ".parts")
+    # gloo even on CUDA: the group only carries small CPU objects, never tensors of the models.
+    world = init_world(config.device, backend="gloo")
+    try:
+        entries, manifest, error = None, None, None
+        try:
+            refuse_inputs(out, config.snapshots)
+            entries = _entries(config)
+            config = replace(config, eval_set=entries[0].eval_set)
+            manifest = _manifest(config, entries, world.device)
+        except (InputError, OSError) as err:
+            error = err
+        _agree(world, out, error, manifest)
+        with contextlib.ExitStack() as stack:
+
+            def prepare() -> list[tuple[str, int]] | None:
+                # Taken before anything on disk is looked at or deleted, held to the end.
+                stack.enter_context(exclusive_output(out))
+                if config.force or config.resume:
+                    refuse_unrecognized(out, kind=RESULTS_FILE)
+                if not _prepare(config, entries, manifest, out, parts):
+                    return None
+                return [
+                    (e.name, i) for e in entries for i in range(e.batches) if not _part_path(parts, e.name, i).exists()
+                ]
+
+            todo = _on_main(world, prepare)
+            if todo is None:
+                return out
+            _run_share(config, entries, parts, world, todo)
+
+            def assemble() -> None:
+                write_dataset(_assemble(config, entries, manifest, parts), out)
+                shutil.rmtree(parts)
+
+            _on_main(world, assemble)
+        return out
+    finally:
+        shutdown_world(world)
+
+
+def _gather(world: World, value: object) -> list:
+    """Every rank's `value` (a small picklable object), in rank order."""
+    values = [None] * world.world_size
+    torch.distributed.all_gather_object(values, value)
+    return values
+
+
+def _from_main(world: World, value: object) -> object:
+    """Rank 0's `value`, on every rank."""
+    box = [value if world.is_main else None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _error_line(err: InputError | OSError) -> str:
+    """The one line an error is reported with ('PATH: reason' for an OS error)."""
+    if isinstance(err, OSError) and err.filename:
+        return f"{err.filename}: {err.strerror or err}"
+    return str(err)
+
+
+def _agree(world: World, out: Path, error: InputError | OSError | None, manifest: dict | None) -> None:
+    """Raise on every rank when one could not build the run or built another one than rank 0:
+    the failing rank its own error, the others its line."""
+    reports = _gather(world, (None if error is None else _error_line(error), manifest))
+    if error is not None:
+        raise error
+    for rank, (message, other) in enumerate(reports):
+        if message is not None:
+            raise InputError(message)
+        if other != reports[0][1]:
+            raise InputError(f"{out}: rank {rank} sees other snapshot files or settings than rank 0")
+
+
+def _on_main(world: World, work):
+    """`work()` on rank 0, its result on every rank; its InputError or OS error is raised on
+    every rank (the same line), so that none waits for a rank 0 that has given up."""
+    result, message, failure = None, None, None
+    if world.is_main:
+        try:
+            result = work()
+        except (InputError, OSError) as err:
+            message, failure = _error_line(err), err
+    result, message = _from_main(world, (result, message))
+    if message is not None:
+        raise failure if world.is_main else InputError(message)
+    return result
+
+
+def _run_share(
+    config: DiagnoseConfig, entries: list[_Entry], parts: Path, world: World, todo: list[tuple[str, int]]
+) -> None:
+    """Compute this rank's units of `todo` (unit k is rank k % N's) into `parts`, in rounds of
+    one unit per rank; stop every rank after the round in which one failed."""
+    by_name = {e.name: e for e in entries}
+    mine = todo[world.rank :: world.world_size]
+    # The rank computing an entry's first unit to do warns about it, so each warning shows once.
+    first_owner = {}
+    for k, (name, _) in enumerate(todo):
+        first_owner.setdefault(name, k % world.world_size)
+    total = sum(e.batches for e in entries)
+    rounds = -(-len(todo) // world.world_size)
+    opened, batches = None, None
+    enabled = config.progress and world.is_main
+    with progress_bar(total, f"diagnose {config.out}", "unit", initial=total - len(todo), enabled=enabled) as bar:
+        for r in range(rounds):
+            status, failure = None, None
+            if r < len(mine):
+                name, i = mine[r]
+                entry = by_name[name]
+                try:
+                    if opened != name:
+                        diagnostic = optimizer = batches = None  # one model in memory at a time
+                        indices = [b for n, b in mine if n == name]
+                        diagnostic, optimizer, batches = _open(config, entry, world.device, indices)
+                        opened = name
+                        warning = bias_correction_message(optimizer)
+                        if warning and first_owner[name] == world.rank:
+                            bar.write(f"warning: {entry.path}: {warning}")
+                    bar.set_postfix_str(f"{name} batch {i}")
+                    _, batch = next(batches)  # batch i: the iterator follows `mine`
+                    unit = diagnostic.compare(batch)
+                    problem = _non_finite(unit)
+                    if problem is None:
+                        write_dataset(unit.expand_dims(snapshot=[name], batch=[i]), _part_path(parts, name, i))
+                        status = "done"
+                    else:
+                        status = ("diverged", r * world.world_size + world.rank, name, i, problem)
+                except (InputError, OSError) as err:
+                    failure = err
+                    status = ("error", r * world.world_size + world.rank, _error_line(err))
+            statuses = _gather(world, status)
+            bar.update(statuses.count("done"))
+            failed = sorted((s for s in statuses if isinstance(s, tuple)), key=lambda s: s[1])
+            if failed:
+                _stop(world, entries, parts, failed[0], failure)
+
+
+def _stop(world: World, entries: list[_Entry], parts: Path, first: tuple, failure: BaseException | None) -> None:
+    """Raise on every rank the error of the first failed unit (in the order of the units to
+    do); for a non-finite unit rank 0 deletes the snapshot's units as one process does."""
+    if first[0] == "error":
+        if failure is not None and first[1] % world.world_size == world.rank:
+            raise failure
+        raise InputError(first[2])
+    _, _, name, batch, problem = first
+    entry = next(e for e in entries if e.name == name)
+    message = str(_diverged(entries, entry, batch, problem, parts)) if world.is_main else None
+    raise InputError(_from_main(world, message))

@@ -51,9 +51,11 @@ def native_bf16(device: torch.device) -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-def init_world(device_choice: str) -> World:
+def init_world(device_choice: str, *, backend: str | None = None) -> World:
     """Join the process group torchrun describes in the environment (RANK,
-    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or run alone without it."""
+    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or run alone without it. A rank's device
+    is cuda:LOCAL_RANK when `device_choice` resolves to CUDA. `backend` None: nccl on
+    CUDA, gloo on CPU; 'gloo' for a group that only exchanges small CPU objects (diagnose)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     device = resolve_device(device_choice)
     if world_size == 1:
@@ -63,7 +65,9 @@ def init_world(device_choice: str) -> World:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size)
+        if backend is None:
+            backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
     return World(rank=rank, world_size=world_size, device=device)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -139,6 +140,10 @@ def diagnose(
 
     The run holds OUT's lock (covering OUT.parts/) until it ends; a unit with a non-finite
     NLL, loss or update RMS (a diverged snapshot) stops it with exit 2, naming the file and batch.
+
+    Under torchrun the units of snapshot or checkpoint files are spread over the ranks (one
+    device each), into the same OUT a single process writes:
+      torchrun --nproc_per_node=4 -m depthdiag diagnose runs/tiny/seed0/snapshots/*.pt --out r.h5
     """
     from common.depths import parse_serving_depths, parse_update_depths
     from diag.adapter import parse_adapter_args
@@ -166,4 +171,6 @@ def diagnose(
         progress=not no_progress,
         trust_remote_code=trust_remote_code,
     )
-    click.echo(f"wrote {run_diagnose(config)}")
+    written = run_diagnose(config)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 wrote it
+        click.echo(f"wrote {written}")
