@@ -250,11 +250,11 @@ $(FINISHING)/comparison.md: $(FINISHING)/grid.h5 $(ANALYSIS_SOURCES)
 
 finishing-phase: $(FINISHING)/comparison.md
 
-# The tests cover the lm-evaluation-harness wrapper and the Hugging Face routes too, so they
-# install the eval and hf extras (lm_eval, transformers and what they need); the pipeline
-# targets do without them.
+# The tests cover the lm-evaluation-harness wrapper, the Hugging Face routes and the Slurm grid
+# runner (through submitit's local executor) too, so they install the eval, hf and slurm extras
+# (lm_eval, transformers, submitit and what they need); the pipeline targets do without them.
 $(VENV)/.installed-eval: $(VENV)/.installed pyproject.toml
-	$(PY) -m pip install --quiet -e ".[dev,eval,hf,wandb]"
+	$(PY) -m pip install --quiet -e ".[dev,eval,hf,slurm,wandb]"
 	touch $@
 
 test: $(VENV)/.installed-eval

@@ -31,7 +31,9 @@ Every cell trains in its own run directory RUNS/axis=label/.../ with `depthdiag 
 in a subprocess (so a crash or Ctrl-C of one cell loses nothing the others wrote): a
 cell whose summary.json exists is finished and skipped, one with a checkpoint resumes
 from it bit-exactly, and a directory that holds a run of another config is refused
-before anything starts. Output of each cell goes to RUNS/logs/.
+before anything starts. Output of each cell goes to RUNS/logs/. With `grid run --executor
+slurm` each unfinished cell is instead one Slurm job through submitit, running the same command
+(depthdiag/slurm.py; output in RUNS/.submitit/).
 """
 
 from __future__ import annotations
@@ -435,9 +437,16 @@ class GridRunReport:
     """Cells that were already finished."""
 
 
-def _train_command(spec: GridSpec, cell: Cell, runs: Path, *, resume: bool) -> list[str]:
+def train_command(spec: GridSpec, cell: Cell, runs: Path, *, resume: bool, processes: int = 1) -> list[str]:
+    """The `depthdiag train` command line that trains (or resumes) `cell`; with `processes` > 1
+    under torchrun (one process per GPU, as docs/training.md describes)."""
     run_dir = str(runs / cell.name)
-    command = [sys.executable, "-m", "depthdiag", "train", str(spec.base), "--out", run_dir, "--no-progress"]
+    launcher = [sys.executable, "-m"]
+    if processes > 1:
+        # torch.distributed.run is torchrun of this very interpreter; --standalone picks a free
+        # port, so that several cells on one node do not meet.
+        launcher += ["torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", "-m"]
+    command = [*launcher, "depthdiag", "train", str(spec.base), "--out", run_dir, "--no-progress"]
     for assignment in cell.overrides:
         command += ["--set", assignment]
     # A new cell's directory, if there is one, holds a start of this very cell (cell_state
@@ -445,21 +454,41 @@ def _train_command(spec: GridSpec, cell: Cell, runs: Path, *, resume: bool) -> l
     return command + (["--resume", run_dir] if resume else ["--force"])
 
 
-def _log_path(runs: Path, name: str) -> Path:
+def log_path(runs: Path, name: str) -> Path:
+    """The cell's log under RUNS/logs/ (one flat file per cell)."""
     return runs / "logs" / (name.replace("/", "__") + ".log")
 
 
+def plan_grid(spec: GridSpec, runs: Path) -> tuple[list[Cell], dict[str, str]]:
+    """Every cell of `spec` and its state (`cell_state`) in `runs`: what every runner starts from,
+    so that whichever runs the grid, a finished cell is never trained again."""
+    cells = grid_cells(spec)
+    return cells, {cell.name: cell_state(cell, runs) for cell in cells}
+
+
+def failed_cells(spec: GridSpec, total: int, failures: Sequence[str]) -> RunFailed:
+    """The error that ends a grid run some of whose cells failed; `failures` describe one cell each."""
+    listed = "; ".join(failures)
+    return RunFailed(f"{spec.path}: {len(failures)} of {total} cells failed: {listed}; rerun to resume them")
+
+
 def run_grid(
-    spec: GridSpec, runs: str | Path, *, jobs: int = 1, threads: int = 1, progress: bool = True
+    spec: GridSpec,
+    runs: str | Path,
+    *,
+    jobs: int | None = 1,
+    threads: int = 1,
+    progress: bool = True,
 ) -> GridRunReport:
     """Train every unfinished cell of `spec` into `runs`, `jobs` at a time, each with
     `threads` torch threads. A failed cell does not stop the others; RunFailed names every
-    failed cell and its log at the end."""
+    failed cell and its log at the end; `jobs` None is 1. (depthdiag/slurm.py's `submit_grid`
+    runs the same cells as one submitit job each.)"""
+    jobs = 1 if jobs is None else jobs
     if jobs < 1 or threads < 1:
         raise InputError("--jobs and --threads must be >= 1")
     runs = Path(runs)
-    cells = grid_cells(spec)
-    states = {cell.name: cell_state(cell, runs) for cell in cells}
+    cells, states = plan_grid(spec, runs)
     pending = [cell for cell in cells if states[cell.name] != "finished"]
     skipped = tuple(cell.name for cell in cells if states[cell.name] == "finished")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
@@ -475,9 +504,9 @@ def run_grid(
             while pending or running:
                 while pending and len(running) < jobs:
                     cell = pending.pop(0)
-                    log = _log_path(runs, cell.name).open("a", encoding="utf-8")
+                    log = log_path(runs, cell.name).open("a", encoding="utf-8")
                     resume = states[cell.name] == "interrupted"
-                    command = _train_command(spec, cell, runs, resume=resume)
+                    command = train_command(spec, cell, runs, resume=resume)
                     log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
                     log.flush()
                     running[cell.name] = (
@@ -500,8 +529,9 @@ def run_grid(
                 process.wait()
                 log.close()
     if failed:
-        listed = "; ".join(f"{name} (exit {code}, log {_log_path(runs, name)})" for name, code in failed)
-        raise RunFailed(f"{spec.path}: {len(failed)} of {len(cells)} cells failed: {listed}; rerun to resume them")
+        raise failed_cells(
+            spec, len(cells), [f"{name} (exit {code}, log {log_path(runs, name)})" for name, code in failed]
+        )
     return GridRunReport(trained=tuple(name for name, _ in trained), skipped=skipped)
 
 

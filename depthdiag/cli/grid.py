@@ -72,9 +72,45 @@ def _grid_run_kept(grid_file: Path, **_) -> str:
 @base_option
 @grid_set_option
 @axis_option
-@click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True, help="Cells trained side by side.")
+@click.option(
+    "--jobs",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Cells trained side by side (default 1; with a submitit --executor: every cell submitted at once).",
+)
 @click.option(
     "--threads", type=click.IntRange(min=1), default=1, show_default=True, help="Torch threads of each cell's run."
+)
+@click.option(
+    "--executor",
+    type=click.Choice(["process", "slurm", "submitit-local"]),
+    default="process",
+    show_default=True,
+    help="process: a `depthdiag train` process per cell on this machine; slurm: one Slurm job per cell "
+    "through submitit (pip install 'depthdiag[slurm]'); submitit-local: the same jobs as processes here.",
+)
+@click.option("--slurm-partition", default=None, help="Partition of the cells' jobs (default: the cluster's).")
+@click.option(
+    "--slurm-time",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="MINUTES",
+    help="Time limit of each cell's job (default 60); a cell cut short resumes from its checkpoint on the next "
+    "`grid run`.",
+)
+@click.option(
+    "--slurm-gpus-per-node",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="GPUs of each cell's job, on one node; more than one trains the cell under torchrun, one process per GPU.",
+)
+@click.option(
+    "--slurm-param",
+    "slurm_params",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Another parameter of submitit's Slurm executor, e.g. account=proj, qos=high, mem=64G (repeatable).",
 )
 @click.option("--dry-run", is_flag=True, help="List the cells (updates, modeled FLOPs, state) and train nothing.")
 @no_progress_option
@@ -85,22 +121,51 @@ def grid_run(
     base_config: Path | None,
     overrides: tuple[str, ...],
     axis_values: tuple[str, ...],
-    jobs: int,
+    jobs: int | None,
     threads: int,
+    executor: str,
+    slurm_partition: str | None,
+    slurm_time: int | None,
+    slurm_gpus_per_node: int,
+    slurm_params: tuple[str, ...],
     dry_run: bool,
     no_progress: bool,
 ) -> None:
     """Train every cell of GRID that has not finished: finished cells are skipped, an
     interrupted one resumes from its newest checkpoint (bit-exactly), each in its own
-    `depthdiag train` process (output in RUNS/logs/). Exit 3 names the cells that failed."""
+    `depthdiag train` process (output in RUNS/logs/), or with --executor slurm as one Slurm
+    job per cell (output in RUNS/.submitit/), waited for here. Exit 3 names the cells that failed."""
+    from common.errors import InputError
     from depthdiag.grid import format_cells, load_grid, run_grid
 
+    slurm = None
+    if executor == "process":
+        if slurm_partition is not None or slurm_time is not None or slurm_gpus_per_node or slurm_params:
+            raise InputError("--slurm-* options need --executor slurm or submitit-local")
+    else:
+        from depthdiag.slurm import SlurmOptions, import_submitit, slurm_parameters
+
+        import_submitit()  # a missing extra is one line before anything else
+        slurm = SlurmOptions(
+            partition=slurm_partition,
+            time_min=60 if slurm_time is None else slurm_time,
+            gpus_per_node=slurm_gpus_per_node,
+            parameters=slurm_parameters(slurm_params),
+        )
     spec = load_grid(grid_file, axis_values, base=base_config, overrides=overrides)
     runs = _grid_runs(grid_file, runs)
     if dry_run:
         click.echo(format_cells(spec, runs))
         return
-    report = run_grid(spec, runs, jobs=jobs, threads=threads, progress=not no_progress)
+    if slurm is None:
+        report = run_grid(spec, runs, jobs=jobs, threads=threads, progress=not no_progress)
+    else:
+        from depthdiag.slurm import submit_grid
+
+        cluster = "local" if executor == "submitit-local" else "slurm"
+        report = submit_grid(
+            spec, runs, cluster=cluster, options=slurm, jobs=jobs, threads=threads, progress=not no_progress
+        )
     click.echo(f"{runs}: {len(report.trained)} cell(s) trained, {len(report.skipped)} already finished")
 
 
