@@ -459,11 +459,27 @@ def log_path(runs: Path, name: str) -> Path:
     return runs / "logs" / (name.replace("/", "__") + ".log")
 
 
-def plan_grid(spec: GridSpec, runs: Path) -> tuple[list[Cell], dict[str, str]]:
+@dataclass(frozen=True)
+class GridPlan:
+    """Every cell of a grid and what a runner does with each in its runs folder."""
+
+    cells: list[Cell]
+    """All cells, in the grid's order."""
+    states: dict[str, str]
+    """Each cell's `cell_state` by name."""
+    pending: list[Cell]
+    """The cells still to train (not finished), in order."""
+    skipped: tuple[str, ...]
+    """The names of the finished cells."""
+
+
+def plan_grid(spec: GridSpec, runs: Path) -> GridPlan:
     """Every cell of `spec` and its state (`cell_state`) in `runs`: what every runner starts from,
     so that whichever runs the grid, a finished cell is never trained again."""
     cells = grid_cells(spec)
-    return cells, {cell.name: cell_state(cell, runs) for cell in cells}
+    states = {cell.name: cell_state(cell, runs) for cell in cells}
+    pending = [cell for cell in cells if states[cell.name] != "finished"]
+    return GridPlan(cells, states, pending, tuple(cell.name for cell in cells if states[cell.name] == "finished"))
 
 
 def failed_cells(spec: GridSpec, total: int, failures: Sequence[str]) -> RunFailed:
@@ -488,9 +504,8 @@ def run_grid(
     if jobs < 1 or threads < 1:
         raise InputError("--jobs and --threads must be >= 1")
     runs = Path(runs)
-    cells, states = plan_grid(spec, runs)
-    pending = [cell for cell in cells if states[cell.name] != "finished"]
-    skipped = tuple(cell.name for cell in cells if states[cell.name] == "finished")
+    plan = plan_grid(spec, runs)
+    cells, states, pending, skipped = plan.cells, plan.states, plan.pending, plan.skipped
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     running: dict[str, tuple[subprocess.Popen, Any]] = {}
     trained, failed = [], []

@@ -183,9 +183,8 @@ def submit_grid(
             "--executor submitit-local runs the same jobs here)"
         )
     runs = Path(runs)
-    cells, states = plan_grid(spec, runs)
-    pending = [cell for cell in cells if states[cell.name] != "finished"]
-    skipped = tuple(cell.name for cell in cells if states[cell.name] == "finished")
+    plan = plan_grid(spec, runs)
+    cells, states, pending, skipped = plan.cells, plan.states, plan.pending, plan.skipped
     env = {"OMP_NUM_THREADS": str(threads)}
     cwd = os.getcwd()
     running: dict[str, Any] = {}

@@ -26,7 +26,7 @@ _HOMES = {
     "match_rms": "diag.engine",
     "OptimizerStep": "diag.optim_step",
     "optimizer_step": "diag.optim_step",
-    "load_snapshot_folder": "diag.snapshot_folder",
+    "load_snapshot_folder": "diag.snapshot_loading",
     "save_snapshot": "diag.snapshot_folder",
 }
 

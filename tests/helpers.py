@@ -276,3 +276,16 @@ def write_run(directory: Path, config=None):
         progress={"tokens": 0.0},
     )
     return paths
+
+
+class TokenRows(torch.utils.data.Dataset):
+    """Rows of token ids [N, T] as a transformers.Trainer dataset: each row its own labels."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.tokens = tokens
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.tokens[i], "labels": self.tokens[i]}

@@ -26,7 +26,8 @@ from analysis.store import open_results
 from common.errors import InputError
 from depthdiag.cli import main
 from diag.families import HUGINN
-from diag.snapshot_folder import DOCUMENT, OPTIMIZER_STATE, load_snapshot_folder
+from diag.snapshot_folder import DOCUMENT, OPTIMIZER_STATE
+from diag.snapshot_loading import load_snapshot_folder
 from trainer.model import LoopedTransformer, ModelConfig
 from trainer.scoring import output_logits
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import TokenRows
 from test_hf_export import VOCAB, write_checkpoint
 
 import diag
@@ -27,17 +28,6 @@ from diag.hf_callbacks import DepthMonitorCallback, ScheduledDepthCallback, Snap
 pytestmark = pytest.mark.filterwarnings("ignore::diag.engine.BiasCorrectionWarning")  # a few dozen steps: young
 SEQ, ROWS, UPDATES, EVERY, SWITCH, CAPTURED = 12, 4, 24, 6, 12, 18
 SCHEDULE = "fixed-first:k0=2,switch=0.5,finish=uniform:1-4"
-
-
-class Rows(torch.utils.data.Dataset):
-    def __init__(self, tokens):
-        self.tokens = tokens
-
-    def __len__(self):
-        return len(self.tokens)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
 
 
 class Capture(transformers.TrainerCallback):
@@ -86,7 +76,7 @@ def trained(exported, out, *monitors: transformers.TrainerCallback):
         seed=0,
     )
     model = transformers.AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=True)
-    transformers.Trainer(model=model, args=args, train_dataset=Rows(rows), callbacks=callbacks).train()
+    transformers.Trainer(model=model, args=args, train_dataset=TokenRows(rows), callbacks=callbacks).train()
     return capture
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import TokenRows
 from test_hf_export import write_checkpoint
 
 import diag
@@ -34,17 +35,6 @@ class LiveState(transformers.TrainerCallback):
         self.step = state.global_step
         # One deepcopy for both, so the optimizer's copy holds the model copy's parameters.
         self.model, self.optimizer = copy.deepcopy((model, getattr(optimizer, "optimizer", optimizer)))
-
-
-class Rows(torch.utils.data.Dataset):
-    def __init__(self, tokens):
-        self.tokens = tokens
-
-    def __len__(self):
-        return len(self.tokens)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
 
 
 @pytest.fixture(autouse=True)
@@ -99,7 +89,7 @@ def test_diagnose_hf_on_a_trainer_checkpoint_equals_compare_updates_on_the_live_
     trainer = transformers.Trainer(
         model=model,
         args=args,
-        train_dataset=Rows(train_rows),
+        train_dataset=TokenRows(train_rows),
         processing_class=tokenizer,  # saved into every checkpoint
         data_collator=transformers.default_data_collator,  # rows of one length: no padding
         callbacks=[live],
