@@ -11,7 +11,7 @@ DEPTHDIAG := $(VENV)/bin/depthdiag
 # downloads a CUDA build. Where that wheel is not on a local find-links path,
 # fetch it from PyTorch's CPU index:
 #   make TORCH_INDEX='--extra-index-url https://download.pytorch.org/whl/cpu' ...
-# On a GPU machine: make figure4 TORCH_SPEC='torch>=2.4,<3' CONFIG=configs/paper-200m.toml
+# On a GPU machine: make figure4 TORCH_SPEC='torch>=2.6,<3' CONFIG=configs/paper-200m.toml
 TORCH_SPEC ?= torch==2.13.0+cpu
 TORCH_INDEX ?=
 

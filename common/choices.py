@@ -9,6 +9,8 @@ PRECISION_CHOICES = ("fp32", "bf16")
 """Training precision: fp32, or bf16 autocast."""
 EVAL_SET_CHOICES = ("auto", "snapshot", "attributes")
 """The evaluation set `depthdiag diagnose` scores (see diag/run.py)."""
+PARALLEL_CHOICES = ("ddp", "fsdp")
+"""How torchrun's processes share a training run: replicated weights (DDP) or sharded ones (FSDP2)."""
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 """Where a command runs: 'auto' (cuda when available, else cpu), 'cpu' or 'cuda'."""
 INTERVAL_METHOD_CHOICES = ("t", "bca")

@@ -608,7 +608,7 @@ def collect_cell(cell: Cell, runs: Path, serving: tuple[int, ...], *, device: st
         raise InputError(f"{run_dir}: the cell has not finished training; run `depthdiag grid run` first")
     checkpoint = latest_checkpoint(run_dir)
     updates = cell.config.train.updates
-    if checkpoint is None or checkpoint.name != checkpoint_name(updates):
+    if checkpoint is None or checkpoint.name not in (checkpoint_name(updates), checkpoint_name(updates, sharded=True)):
         raise InputError(f"{run_dir}: no checkpoint of the final update ({updates}) in {run_dir / CHECKPOINT_DIR}")
     summary_path = run_dir / "summary.json"
     try:

@@ -3,7 +3,7 @@
 - processes that hold an output's lock (start_holder);
 - the tiny text-corpus training run of the training-loop tests and its metrics
   (text_corpus, tiny_config, read_metrics, without_wall_time, Interrupt, assert_same_payload);
-- torchrun with two gloo processes on the CPU (DDP_CONFIG, torchrun_train);
+- torchrun with gloo processes on the CPU (DDP_CONFIG, torchrun_train, run_depthdiag);
 - the toy bioS run of the figure-4 pipeline (TOY_CONFIG);
 - the short run whose snapshots the diagnostic reads (run_config, write_run and its depths).
 """
@@ -161,28 +161,27 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def run_depthdiag(
+    *args, ranks: int = 1, script: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`depthdiag ARGS` (or `python SCRIPT ARGS`) in one process without torchrun's environment,
+    or under torchrun with `ranks` gloo processes; one thread each, so that the float reductions
+    of one process and of each rank group the same way."""
+    repo = Path(__file__).resolve().parents[1]
+    program = ["-m", "depthdiag"] if script is None else [str(script)]
+    if ranks > 1:
+        launcher = ["-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={ranks}"]
+        program = [*launcher, "--master_addr=127.0.0.1", f"--master_port={free_port()}", *program]
+    environment = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    paths = [str(repo), environment.get("PYTHONPATH")]
+    environment.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, paths)), **(env or {}))
+    command = [sys.executable, *program, *map(str, args)]
+    return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300, cwd=repo)
+
+
 def torchrun_train(config_path: Path, out: Path) -> subprocess.CompletedProcess:
     """`depthdiag train CONFIG --out OUT` under torchrun with 2 gloo processes, one thread each."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        "-m",
-        "depthdiag",
-        "train",
-        str(config_path),
-        "--out",
-        str(out),
-        "--no-progress",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        command, env=env, capture_output=True, text=True, timeout=240, cwd=Path(__file__).resolve().parents[1]
-    )
+    return run_depthdiag("train", config_path, "--out", out, "--no-progress", ranks=2)
 
 
 # --- the toy pipeline run -----------------------------------------------------------------------

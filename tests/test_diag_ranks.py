@@ -3,14 +3,12 @@ CPU write the results file one process writes, resume an interrupted run, and st
 on a non-finite unit. Every run here is a subprocess with one thread, so that the float
 reductions of one process and of each rank group the same way."""
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import xarray as xr
-from helpers import free_port, write_run
+from helpers import run_depthdiag, write_run
 
 from common.errors import InputError
 from diag.run import DiagnoseConfig, diagnose
@@ -49,24 +47,13 @@ def run(tmp_path_factory):
 
 
 def depthdiag(tmp_path: Path, *args, ranks: int = 1, fault: str | None = None) -> subprocess.CompletedProcess:
-    """`depthdiag diagnose ARGS` in one process (no torchrun environment) or under torchrun
-    with `ranks` gloo processes, one thread each; with `fault`, through FAULTY."""
+    """`depthdiag diagnose ARGS` in one process or under torchrun with `ranks` gloo processes
+    (helpers.run_depthdiag); with `fault`, through FAULTY."""
     if fault is None:
-        program = ["-m", "depthdiag"]
-    else:
-        script = tmp_path / "faulty.py"
-        script.write_text(FAULTY)
-        program = [str(script)]
-    if ranks > 1:
-        launcher = ["-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={ranks}"]
-        launcher += ["--master_addr=127.0.0.1", f"--master_port={free_port()}"]
-        program = launcher + program
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
-    if fault is not None:
-        env["DIAGNOSE_FAULT"] = fault
-    command = [sys.executable, *program, "diagnose", *map(str, args)]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+        return run_depthdiag("diagnose", *args, ranks=ranks)
+    script = tmp_path / "faulty.py"
+    script.write_text(FAULTY)
+    return run_depthdiag("diagnose", *args, ranks=ranks, script=script, env={"DIAGNOSE_FAULT": fault})
 
 
 def comparable(path: Path) -> xr.Dataset:

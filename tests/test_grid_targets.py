@@ -1,7 +1,8 @@
 """End to end, not one module: `make figure1`, `figure5`, `figure2`, `figure3-loss` and `table3`
 end to end on very small grids: the Makefile trains every cell through `depthdiag grid run`,
 collects them with `grid collect` and draws with `plot` / `grid table`, exactly as the default
-targets do, with grid files of the same names over a toy bioS config (seconds per cell)."""
+targets do, with grid files of the same names over a toy bioS config (seconds per cell). Every
+target together takes about three minutes on 2 cores, so that test is `slow` (CI runs it)."""
 
 import json
 import os
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from analysis.grid import open_grid
 
@@ -97,6 +99,7 @@ def make(target: str, tmp: Path) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_every_grid_target_end_to_end(tmp_path):
     (tmp_path / "grids").mkdir()
     (tmp_path / "toy.toml").write_text(TOY, encoding="utf-8")

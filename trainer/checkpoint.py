@@ -6,25 +6,37 @@ LR of the next update, the next training batches, the evaluation set). A
 checkpoint carries the same keys minus `batches`, plus what resuming needs
 (RNG states and the run's counters). `load_snapshot` reads both kinds.
 
+A run sharded with FSDP2 (train.parallel='fsdp' under torchrun) writes its checkpoints
+as folders `step_XXXXXX.dcp/` instead (`save_sharded_checkpoint`): the model and
+optimizer state as torch.distributed.checkpoint shards, every rank writing its own,
+and `meta.pt` (rank 0), a torch.save file of the other keys. Such a folder resumes a
+sharded run at any number of ranks (`load_sharded_state` reshards), and `load_snapshot`
+reads it in a plain process as a whole model's checkpoint. Its snapshots are the
+usual files, gathered from the shards first (`gathered_state`).
+
 Writes are atomic (common/atomic.py): an interrupted write never leaves a
-half-written file under the final name.
+half-written file (or checkpoint folder) under the final name.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import io
 import math
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from common.atomic import atomic_output
+from common.atomic import atomic_directory, atomic_output
 from common.digest import file_sha256
 from common.errors import InputError, unreachable_input
 from trainer.config import RunConfig
+from trainer.distributed import World, broadcast_object
 from trainer.model import LoopedTransformer
 from trainer.optim import OPTIMIZER_CLASSES, build_optimizer
 from trainer.rng import check_rng_state, process_rng_state
@@ -45,6 +57,12 @@ COMMON_KEYS = (
 )
 SNAPSHOT_KEYS = COMMON_KEYS + ("batches",)
 CHECKPOINT_KEYS = COMMON_KEYS + ("rng", "progress")
+SHARDED_KEYS = ("model", "optimizer")
+"""What a sharded checkpoint folder holds as DCP shards; meta.pt holds the other CHECKPOINT_KEYS."""
+META = "meta.pt"
+"""The file of a sharded checkpoint folder that holds everything but the shards."""
+SHARDED_SUFFIX = ".dcp"
+"""How a sharded checkpoint folder's name ends (`checkpoint_name(step, sharded=True)`)."""
 KINDS = ("snapshot", "checkpoint")
 """What `load_snapshot(path, kind=...)` may insist on; a file with `batches` is a snapshot."""
 
@@ -98,14 +116,16 @@ def _state_payload(
     optimizer: torch.optim.Optimizer,
     lr: float,
     eval_tokens: torch.Tensor,
+    states: tuple[dict[str, Any], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    model_state, optimizer_state = states if states is not None else (model.state_dict(), optimizer.state_dict())
     return {
         "format_version": FORMAT_VERSION,
         "config": config.to_json(),
         "step": int(step),
         "uniform_updates": int(uniform_updates),
-        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-        "optimizer": optimizer.state_dict(),
+        "model": {k: v.detach().cpu() for k, v in model_state.items()},
+        "optimizer": optimizer_state,
         "optimizer_class": type(optimizer).__name__,
         "lr": float(lr),
         "eval_tokens": eval_tokens.detach().to("cpu", torch.int64),
@@ -123,8 +143,11 @@ def save_snapshot(
     lr: float,
     batches: torch.Tensor,
     eval_tokens: torch.Tensor,
+    states: tuple[dict[str, Any], dict[str, Any]] | None = None,
 ) -> Path:
-    """Write a diagnostic snapshot; `batches` int64 [n, B, T+1] are the next n training batches."""
+    """Write a diagnostic snapshot; `batches` int64 [n, B, T+1] are the next n training batches.
+    `states`: the model's and optimizer's state_dicts when they were gathered already (a
+    sharded model's, `gathered_state`); None reads them from `model` and `optimizer`."""
     payload = _state_payload(
         config=config,
         step=step,
@@ -133,6 +156,7 @@ def save_snapshot(
         optimizer=optimizer,
         lr=lr,
         eval_tokens=eval_tokens,
+        states=states,
     )
     payload["batches"] = batches.detach().to("cpu", torch.int64)
     return atomic_torch_save(payload, path)
@@ -165,6 +189,106 @@ def save_checkpoint(
     return atomic_torch_save(payload, path)
 
 
+def save_sharded_checkpoint(
+    path: str | Path,
+    world: World,
+    *,
+    config: RunConfig,
+    step: int,
+    uniform_updates: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr: float,
+    eval_tokens: torch.Tensor,
+    progress: dict[str, float],
+) -> Path:
+    """Write a resumable checkpoint folder of an FSDP2-sharded `model` and its `optimizer`
+    (see the module docstring); every rank calls it. The folder is filled under a temporary
+    name (rank 0's, broadcast) and renamed once the shards and meta.pt are all on disk, so
+    `path` appears complete or not at all."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    path = Path(path)
+    if world.is_main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_directory(path) if world.is_main else contextlib.nullcontext() as tmp:
+        folder = Path(broadcast_object(world, str(tmp) if world.is_main else None))
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        # dcp.save returns on rank 0 once every rank has written its shards (its metadata
+        # gathers their write results), so the rename below never publishes a partial folder.
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
+        if world.is_main:
+            everything = _state_payload(
+                config=config,
+                step=step,
+                uniform_updates=uniform_updates,
+                model=model,
+                optimizer=optimizer,
+                lr=lr,
+                eval_tokens=eval_tokens,
+                states=({}, {}),  # the shards hold them
+            )
+            payload = {k: v for k, v in everything.items() if k not in SHARDED_KEYS}
+            payload["rng"] = process_rng_state()
+            payload["progress"] = {k: float(v) for k, v in progress.items()}
+            atomic_torch_save(payload, folder / META)
+    return path
+
+
+def load_sharded_state(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load the shards of the checkpoint folder `path` into `model` and `optimizer`: under
+    torchrun an FSDP2-sharded model, every rank calling it (DCP reshards to this world size);
+    in a plain process a plain model (no collective, even where a process group exists)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    alone = not (dist.is_initialized() and any(hasattr(p, "full_tensor") for p in model.parameters()))
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    with warnings.catch_warnings():
+        # DCP warns at every load in one process that it assumes one process was meant: it was.
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(state, checkpoint_id=Path(path), no_dist=alone)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def gathered_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The whole model state_dict and torch's plain, index-keyed optimizer state_dict of an
+    FSDP2-sharded `model` and its `optimizer`, on the CPU, what a single process's
+    `model.state_dict()` and `optimizer.state_dict()` hold: a collective every rank joins;
+    rank 0 gets them, the other ranks empty dicts."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=options)
+    if not optimizer.state:
+        # Before the first update there is no per-parameter state to gather, and
+        # get_optimizer_state_dict would create it with a zero-LR step, which counts as
+        # AdamW's first (its bias correction) and so changes the training that follows.
+        return model_state, (optimizer.state_dict() if dist.get_rank() == 0 else {})
+    named = get_optimizer_state_dict(model, optimizer, options=options)
+    return model_state, (_indexed_optimizer_state(named) if dist.get_rank() == 0 else {})
+
+
+def _indexed_optimizer_state(named: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state_dict keyed by parameter names (torch.distributed.checkpoint's form)
+    in torch's plain form: parameters numbered in the order of the param groups."""
+    index: dict[str, int] = {}
+    groups = []
+    for group in named["param_groups"]:
+        ids = [index.setdefault(name, len(index)) for name in group["params"]]
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+    state = sorted(((index[name], value) for name, value in named["state"].items()), key=lambda item: item[0])
+    return {"state": dict(state), "param_groups": groups}
+
+
 def _plain(value: Any) -> Any:
     """`value` with its tensors on the CPU, rebuilt so that its pickle depends on the values
     alone. Pickle writes a second reference to one object as a back-reference but an equal
@@ -192,7 +316,7 @@ class Snapshot:
     """A loaded snapshot or checkpoint (validated)."""
 
     path: Path
-    """The file it was read from."""
+    """The file (or sharded checkpoint folder) it was read from."""
     config: RunConfig
     """The full run config the file was written under."""
     step: int
@@ -208,11 +332,11 @@ class Snapshot:
     eval_tokens: torch.Tensor
     """int64 [E, T+1]: the held-out evaluation set."""
     sha256: str
-    """Hex digest of the file's bytes."""
+    """Hex digest of the file's bytes (of a sharded checkpoint folder: of its files' names and digests)."""
     model_state: dict[str, torch.Tensor] = field(repr=False)
-    """The model state_dict."""
+    """The model state_dict (empty when a sharded checkpoint was read with `shards=False`)."""
     optimizer_state: dict[str, Any] = field(repr=False)
-    """The optimizer state_dict."""
+    """The optimizer state_dict, torch's plain index-keyed form (empty as `model_state`)."""
     rng: dict[str, Any] | None = field(default=None, repr=False)
     """RNG states (checkpoints only)."""
     progress: dict[str, float] | None = field(default=None, repr=False)
@@ -239,10 +363,14 @@ def _one_line(err: BaseException) -> str:
     return text[:200] if text else type(err).__name__
 
 
-def load_snapshot(path: str | Path, kind: str | None = None) -> Snapshot:
-    """Read and validate a snapshot or checkpoint; any problem raises InputError "PATH: problem".
+def load_snapshot(path: str | Path, kind: str | None = None, *, shards: bool = True) -> Snapshot:
+    """Read and validate a snapshot or checkpoint, a file or a sharded checkpoint folder
+    (`step_XXXXXX.dcp/`, whose shards are loaded into a plain model and optimizer on the
+    CPU); any problem raises InputError "PATH: problem".
 
     `kind` 'snapshot' or 'checkpoint' refuses a file of the other kind (None reads either).
+    `shards=False` reads a sharded folder's meta.pt alone and leaves model_state and
+    optimizer_state empty: for a sharded run, which loads the shards itself (`load_sharded_state`).
     Validated: the keys and format version, the stored config, the scalars (lr finite and
     positive), the token tensors (shape, dtype, ids within the vocabulary), the model
     state (every weight of the config's model, of its shape and dtype, finite), the
@@ -253,12 +381,11 @@ def load_snapshot(path: str | Path, kind: str | None = None) -> Snapshot:
     if kind not in (None, *KINDS):
         raise ValueError(f"kind must be None or one of {KINDS}, got {kind!r}")
     path = Path(path)
-    payload = _read_payload(path)
+    sharded = path.is_dir()
+    payload = _read_sharded_payload(path, shards) if sharded else _read_payload(path)
     is_snapshot = "batches" in payload
     _check_kind(path, kind, is_snapshot)
-    if not isinstance(payload["config"], str):
-        raise InputError(f"{path}: 'config' must be a JSON string")
-    config = RunConfig.from_json(payload["config"], source=f"{path} (stored config)")
+    config = _stored_config(path, payload)
     _check_scalars(path, config, payload)
     T1 = config.train.seq_len + 1
     eval_tokens = _check_tokens(
@@ -273,8 +400,9 @@ def load_snapshot(path: str | Path, kind: str | None = None) -> Snapshot:
             (config.train.snapshot_batches, config.train.batch_size, T1),
             config.model.vocab_size,
         )
-    _check_model_state(path, config, payload["model"])
-    _check_optimizer_state(path, config, payload["optimizer"])
+    if not sharded or shards:
+        _check_model_state(path, config, payload["model"])
+        _check_optimizer_state(path, config, payload["optimizer"])
     if not is_snapshot:
         _check_progress(path, payload["progress"], required=RESUME_COUNTERS if kind == "checkpoint" else ())
         _check_rng(path, payload["rng"])
@@ -287,7 +415,7 @@ def load_snapshot(path: str | Path, kind: str | None = None) -> Snapshot:
         optimizer_class=payload["optimizer_class"],
         batches=batches,
         eval_tokens=eval_tokens,
-        sha256=file_sha256(path),
+        sha256=_folder_sha256(path) if sharded else file_sha256(path),
         model_state=payload["model"],
         optimizer_state=payload["optimizer"],
         rng=payload.get("rng"),
@@ -295,8 +423,9 @@ def load_snapshot(path: str | Path, kind: str | None = None) -> Snapshot:
     )
 
 
-def _read_payload(path: Path) -> dict[str, Any]:
-    """The file's top-level dict, once it is known to be of this format version with every key of its kind."""
+def _read_payload(path: Path, expected: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """The file's top-level dict, once it is known to be of this format version with every key
+    of its kind (or `expected`)."""
     if not path.is_file():
         raise unreachable_input(path)
     try:
@@ -308,11 +437,67 @@ def _read_payload(path: Path) -> dict[str, Any]:
     version = payload.get("format_version")
     if version != FORMAT_VERSION:
         raise InputError(f"{path}: format_version {version!r}, this depthdiag reads format_version {FORMAT_VERSION}")
-    is_snapshot = "batches" in payload
-    missing = [k for k in (SNAPSHOT_KEYS if is_snapshot else CHECKPOINT_KEYS) if k not in payload]
+    if expected is None:
+        expected = SNAPSHOT_KEYS if "batches" in payload else CHECKPOINT_KEYS
+    missing = [k for k in expected if k not in payload]
     if missing:
         raise InputError(f"{path}: missing key(s) {', '.join(missing)}")
     return payload
+
+
+def is_checkpoint_folder(path: str | Path) -> bool:
+    """Whether `path` is a folder meant as a sharded checkpoint (step_XXXXXX.dcp/, or any
+    folder holding a meta.pt), which `load_snapshot` reads like a checkpoint file."""
+    path = Path(path)
+    return path.is_dir() and (path.suffix == SHARDED_SUFFIX or (path / META).is_file())
+
+
+def _read_sharded_payload(path: Path, shards: bool) -> dict[str, Any]:
+    """A sharded checkpoint folder's meta.pt with, when `shards`, the model and optimizer
+    state_dicts of its shards loaded into a plain model and optimizer of the stored config
+    (the optimizer's in torch's plain index-keyed form): the payload a checkpoint file holds."""
+    meta = path / META
+    if not meta.is_file() and path.suffix != SHARDED_SUFFIX:
+        raise InputError(
+            f"{path}: a folder, not a snapshot or checkpoint file (nor a sharded checkpoint step_XXXXXX.dcp/)"
+        )
+    if not meta.is_file():
+        raise InputError(f"{path}: no {META}, so not a complete sharded depthdiag checkpoint")
+    payload = _read_payload(meta, expected=tuple(k for k in CHECKPOINT_KEYS if k not in SHARDED_KEYS))
+    if "batches" in payload or any(k in payload for k in SHARDED_KEYS):
+        raise InputError(f"{meta}: not the meta.pt of a sharded checkpoint (it holds batches or weights)")
+    if not shards:
+        payload.update(model={}, optimizer={})
+        return payload
+    from torch.distributed.checkpoint import CheckpointException
+
+    config = _stored_config(meta, payload)
+    model = LoopedTransformer(config.model)
+    optimizer = build_optimizer(model, config.optim)
+    try:
+        load_sharded_state(path, model, optimizer)
+    # DCP raises CheckpointException (a BaseException) for a missing or damaged shard, and
+    # RuntimeError, ValueError... for shards of another shape.
+    except (Exception, CheckpointException) as err:
+        raise InputError(
+            f"{path}: the shards do not load into the stored config's model and optimizer ({_one_line(err)})"
+        ) from None
+    payload.update(model=model.state_dict(), optimizer=optimizer.state_dict())
+    return payload
+
+
+def _stored_config(path: Path, payload: dict[str, Any]) -> RunConfig:
+    if not isinstance(payload["config"], str):
+        raise InputError(f"{path}: 'config' must be a JSON string")
+    return RunConfig.from_json(payload["config"], source=f"{path} (stored config)")
+
+
+def _folder_sha256(path: Path) -> str:
+    """The digest of a folder: of its files' relative names and SHA-256s, in name order."""
+    digest = hashlib.sha256()
+    for file in sorted(f for f in path.rglob("*") if f.is_file()):
+        digest.update(f"{file.relative_to(path).as_posix()}\0{file_sha256(file)}\n".encode())
+    return digest.hexdigest()
 
 
 def _check_scalars(path: Path, config: RunConfig, payload: dict[str, Any]) -> None:
@@ -496,17 +681,22 @@ def snapshot_name(uniform_updates: int, step: int) -> str:
     return f"u{uniform_updates:04d}_step{step:06d}.pt"
 
 
-def checkpoint_name(step: int) -> str:
-    return f"step_{step:06d}.pt"
+def checkpoint_name(step: int, *, sharded: bool = False) -> str:
+    """A checkpoint file's name, or with `sharded` a sharded checkpoint folder's."""
+    return f"step_{step:06d}{SHARDED_SUFFIX if sharded else '.pt'}"
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The checkpoint `latest` names, or the highest-step one when the pointer is missing or stale."""
+    """The checkpoint (file or sharded folder) `latest` names, or the highest-step one when
+    the pointer is missing or stale. A sharded folder is complete whenever it exists (it
+    appears by a rename), and `latest` names it only after that."""
     directory = Path(run_dir) / CHECKPOINT_DIR
     pointer = directory / LATEST
     if pointer.is_file():
         named = directory / pointer.read_text(encoding="utf-8").strip()
-        if named.is_file():
+        if named.is_file() or (named.suffix == SHARDED_SUFFIX and named.is_dir()):
             return named
-    candidates = sorted(directory.glob("step_[0-9][0-9][0-9][0-9][0-9][0-9].pt"))
-    return candidates[-1] if candidates else None
+    pattern = "step_[0-9][0-9][0-9][0-9][0-9][0-9]"
+    folders = (p for p in directory.glob(f"{pattern}{SHARDED_SUFFIX}") if p.is_dir())
+    candidates = [*directory.glob(f"{pattern}.pt"), *folders]
+    return max(candidates, key=lambda p: (p.stem, p.suffix)) if candidates else None

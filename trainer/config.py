@@ -9,9 +9,9 @@ and results file.
     [monitor] MonitorConfig (optional: left out of the JSON while it is the default, off)
     [logging] LoggingConfig (optional: left out of the JSON while it is the default, off)
 
-Keys added after runs were stored (train.eval_every, train.eval_depths, [logging]) are
-left out of the JSON while they hold their defaults, so a stored config loads with them at
-their defaults and equals, and serialises as, the config a new run writes.
+Keys added after runs were stored (train.eval_every, train.eval_depths, train.parallel,
+[logging]) are left out of the JSON while they hold their defaults, so a stored config
+loads with them at their defaults and equals, and serialises as, the config a new run writes.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from common.choices import DEVICE_CHOICES, EVAL_SET_CHOICES, PRECISION_CHOICES
+from common.choices import DEVICE_CHOICES, EVAL_SET_CHOICES, PARALLEL_CHOICES, PRECISION_CHOICES
 from common.depths import MAX_SERVING_DEPTH, SERVING_DEPTHS, UPDATE_DEPTHS, checked_depths, parse_serving_depths
 from common.errors import InputError
 from common.observers import without_observer_keys
@@ -129,6 +129,11 @@ class TrainConfig:
     compiling per process, so it pays off for runs of a few hundred updates."""
     device: str = "auto"
     """'auto' (cuda when available), 'cpu' or 'cuda'."""
+    parallel: str = "ddp"
+    """How torchrun's processes train: 'ddp' (every rank holds the whole model, gradients
+    all-reduced) or 'fsdp' (FSDP2: every transformer block and the rest of the model sharded
+    over the ranks, checkpoints written as torch.distributed.checkpoint folders, snapshots
+    gathered into the usual files). One process trains the plain model under either."""
     log_every: int = 10
     """Write a metrics line every this many updates."""
     eval_every: int = 0
@@ -149,6 +154,8 @@ class TrainConfig:
             raise InputError("train.checkpoint_every and train.snapshot_uniform_updates must be >= 0")
         if self.precision not in PRECISION_CHOICES:
             raise InputError(f"train.precision must be 'fp32' or 'bf16', got {self.precision!r}")
+        if self.parallel not in PARALLEL_CHOICES:
+            raise InputError(f"train.parallel must be 'ddp' or 'fsdp', got {self.parallel!r}")
         if self.device not in DEVICE_CHOICES:
             raise InputError(f"train.device must be one of {', '.join(DEVICE_CHOICES)}, got {self.device!r}")
         # Parsed here so a bad spec is reported against the config file that holds it.
@@ -253,7 +260,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 OPTIONAL_SECTIONS = ("monitor", "logging")
 """Sections left out of `RunConfig.to_dict` while they equal their defaults."""
-OPTIONAL_KEYS = {"train": ("eval_every", "eval_depths")}
+OPTIONAL_KEYS = {"train": ("eval_every", "eval_depths", "parallel")}
 """Keys left out of `RunConfig.to_dict` while they equal their defaults: they only observe the
 training, and runs stored before they existed must compare equal to runs without them."""
 

@@ -1,11 +1,13 @@
-"""Process-group setup for `torchrun`: one process per device, DDP with gloo on
-CPU and nccl on GPU. Without torchrun's environment everything runs as a
+"""Process-group setup for `torchrun`: one process per device, DDP or FSDP2 (`shard_model`)
+with gloo on CPU and nccl on GPU. Without torchrun's environment everything runs as a
 single process and no collective is ever called."""
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -100,6 +102,77 @@ def all_gather_ints(world: World, value: int) -> list[int]:
     gathered = [torch.zeros_like(mine) for _ in range(world.world_size)]
     dist.all_gather(gathered, mine)
     return [int(t.item()) for t in gathered]
+
+
+def broadcast_object(world: World, value: Any) -> Any:
+    """Rank 0's picklable `value` on every rank; `value` itself on one process."""
+    if not world.distributed:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def shard_model(model: torch.nn.Module, world: World, precision: str) -> torch.nn.Module:
+    """`model` (a LoopedTransformer on `world.device`) sharded in place with FSDP2 over all
+    ranks: every transformer block is its own unit, so only one block's weights are gathered
+    at a time (the core's once per iteration, K times a forward), and the root unit holds the
+    rest (embedding, adapter, norms, head). The evaluation methods are registered as forwards
+    (`register_evaluation_methods`), so the validation pass gathers weights like one (every
+    rank must call it). Returns `model`.
+
+    With precision 'bf16' the blocks' weights are gathered in bf16 (half the bytes of the
+    all-gathers, which the core repeats every iteration) and every gradient is reduced in
+    fp32. The bf16 autocast of train.precision stays on (trainer/loss.py): it is what keeps
+    the norms, the attention softmax and the loss in fp32 and casts each matmul's inputs,
+    as under DDP. The block inputs are not cast and the root's weights stay fp32, so the
+    embedding and the residual stream between blocks stay fp32 as they do under autocast alone."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(world.device.type, (world.world_size,))
+    blocks = MixedPrecisionPolicy()
+    if precision == "bf16":
+        blocks = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    for block in (*model.prelude, *model.core, *model.coda):
+        fully_shard(block, mesh=mesh, mp_policy=blocks)
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+    register_evaluation_methods(model)
+    return model
+
+
+EVALUATION_METHODS = ("nll_by_depth", "logits_by_depth", "attend", "feed_forward")
+"""Methods besides forward that an evaluation calls on a sharded module: the looped model's one
+pass over every depth, and a block's sublayers, which a readout of some positions calls apart."""
+
+
+def register_evaluation_methods(model: torch.nn.Module) -> None:
+    """Give every FSDP2 module's evaluation methods (EVALUATION_METHODS) the unshard and
+    reshard hooks of its forward: without them a method reads the sharded parameters. Once
+    per module, however often it is called."""
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and not getattr(module, "_evaluation_methods_registered", False):
+            for method in EVALUATION_METHODS:
+                if callable(getattr(module, method, None)):
+                    register_fsdp_forward_method(module, method)
+            module._evaluation_methods_registered = True
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether `model` or a submodule was sharded with FSDP2's `fully_shard`. Looked up only
+    once FSDP2 is imported (nothing can be sharded before), so callers that never shard do
+    not pay for importing it."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules())
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's shard of an FSDP2-sharded tensor (a DTensor); any other tensor itself.
+    Without torch.distributed.tensor imported there is no DTensor, and it is not imported here."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor.DTensor) else tensor
 
 
 def barrier(world: World) -> None:

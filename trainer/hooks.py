@@ -5,9 +5,12 @@ The trainer defines the protocol and `diag` provides the implementation
 when the config's [monitor] block is on: trainer never imports diag.
 
 Only rank 0 calls the hook (other torchrun ranks go on and wait for it at the next
-collective). A hook must leave the model, the optimizer and every process-wide state the
-training reads (RNGs, grad mode, autocast, module modes) as it found them: training with
-a monitor equals training without one, to the bit.
+collective), except under train.parallel='fsdp': there each rank holds only its shards of
+the model and the optimizer, so every rank calls it, and a hook that needs the whole model
+computes with all of them together (diag/sharded.py). A hook must leave the model, the
+optimizer and every process-wide state the training reads (RNGs, grad mode, autocast,
+module modes) as it found them: training with a monitor equals training without one, to
+the bit.
 """
 
 from __future__ import annotations

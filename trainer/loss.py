@@ -57,8 +57,14 @@ def clip_gradients_(grads: list[torch.Tensor], max_norm: float | None) -> torch.
     # (the diagnostic's): torch.nn.utils.get_total_norm needs torch >= 2.6.
     norms = [torch.linalg.vector_norm(g) for g in grads]
     total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    # Sharded gradients (FSDP2's DTensors): each shard's norm is a partial DTensor that the
+    # stack and the norm reduce over the ranks, so `total` is already the global norm,
+    # replicated; full_tensor() makes it a plain tensor, and the scaling applies to each
+    # rank's own shard.
+    if hasattr(total, "full_tensor"):
+        total = total.full_tensor()
     if max_norm:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
-            g.mul_(coef.to(g.device))
+            (g.to_local() if hasattr(g, "to_local") else g).mul_(coef.to(g.device))
     return total

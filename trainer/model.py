@@ -122,10 +122,11 @@ class ModelConfig:
 
 class RMSNorm(nn.RMSNorm):
     """RMSNorm computed in float32: under bf16 autocast its input arrives in bf16 while
-    its weight stays fp32, a mix that has no fused kernel and loses precision."""
+    its weight stays fp32, a mix that has no fused kernel and loses precision. Under FSDP2's
+    bf16 mixed precision the weight arrives in bf16 instead (an fp32 weight's .float() is itself)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), self.normalized_shape, self.weight, self.eps).to(x.dtype)
+        return F.rms_norm(x.float(), self.normalized_shape, self.weight.float(), self.eps).to(x.dtype)
 
 
 class Rotary(nn.Module):

@@ -5,9 +5,11 @@ many) would otherwise fail deep inside torch or numpy with an allocation traceba
 after the run directory was made. `training_memory` is a lower bound on what one training
 process holds: fp32 weights and gradients, the optimizer state, the rotary tables, the
 training batch, and the activations one update at depth 1 must keep for its backward pass
-(every block's normed input and MLP hidden layer, the fp32 logits). Copies autocast makes,
-deeper updates, allocator slack and the monitor are left out, so a refusal means the run
-clearly cannot fit, never that it might not.
+(every block's normed input and MLP hidden layer, the fp32 logits). Under FSDP2
+(train.parallel='fsdp' at several processes) a process holds only its share of the weights,
+gradients and optimizer state. Copies autocast makes, the whole weights of the block FSDP2
+gathers for a forward, deeper updates, allocator slack and the monitor are left out, so a
+refusal means the run clearly cannot fit, never that it might not.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class MemoryNeed:
     """Those of them in the embedding and the LM head."""
     bytes_per_parameter: int
     """fp32 weight, gradient and optimizer state of one parameter."""
+    parameter_shards: int
+    """Processes the weights, gradients and optimizer state are split over (the world size
+    under train.parallel='fsdp', else 1)."""
     rotary_bytes: int
     """The rotary cos and sin tables (fp32 buffers)."""
     block_activation_bytes: int
@@ -51,10 +56,14 @@ class MemoryNeed:
     snapshot_bytes: int
     """The int64 batches a snapshot carries, stacked before it is written (host memory)."""
 
+    def parameter_bytes(self, parameters: int) -> int:
+        """This process's share of the weights, gradients and optimizer state of `parameters`."""
+        return self.bytes_per_parameter * parameters // self.parameter_shards
+
     @property
     def model_bytes(self) -> int:
-        """Weights, gradients, optimizer state and rotary tables."""
-        return self.bytes_per_parameter * self.parameters + self.rotary_bytes
+        """Weights, gradients, optimizer state (this process's share) and rotary tables."""
+        return self.parameter_bytes(self.parameters) + self.rotary_bytes
 
     @property
     def activation_bytes(self) -> int:
@@ -83,6 +92,7 @@ def training_memory(config: RunConfig, world_size: int = 1) -> MemoryNeed:
         parameters=sum(counts.values()) - counts["embedding"] - counts["head"] + embedding,
         embedding_parameters=embedding,
         bytes_per_parameter=(2 + state_floats) * 4,
+        parameter_shards=world_size if tc.parallel == "fsdp" else 1,
         rotary_bytes=2 * model.max_seq_len * (model.d_model // model.n_heads) * 4,
         block_activation_bytes=tokens * blocks * (model.d_model + model.ff_width) * activation,
         logit_bytes=tokens * model.vocab_size * 4,
@@ -136,12 +146,12 @@ def check_memory(
     blocks = model.n_prelude + model.n_core + model.n_coda
     parts = [
         (
-            need.bytes_per_parameter * need.embedding_parameters,
+            need.parameter_bytes(need.embedding_parameters),
             f"model.vocab_size={model.vocab_size}",
             f"the {state} of {need.embedding_parameters:,} embedding parameters",
         ),
         (
-            need.bytes_per_parameter * (need.parameters - need.embedding_parameters),
+            need.parameter_bytes(need.parameters - need.embedding_parameters),
             f"model.d_model={model.d_model}",
             f"the {state} of {need.parameters - need.embedding_parameters:,} parameters in {blocks} blocks",
         ),

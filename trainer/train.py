@@ -11,7 +11,10 @@ A run directory holds:
     metrics.jsonl                  a line per log_every updates and per checkpoint (see `train`)
     tensorboard/, wandb/           TensorBoard and W&B mirrors of the metrics lines, when [logging] asks
     checkpoints/step_XXXXXX.pt     resumable state after XXXXXX updates; `latest` names the newest
-    snapshots/uNNNN_stepXXXXXX.pt  diagnostic inputs NNNN updates after the switch
+    checkpoints/step_XXXXXX.dcp/   the same, of a run sharded with train.parallel='fsdp' under torchrun:
+                                   torch.distributed.checkpoint shards of the model and optimizer and
+                                   meta.pt (trainer/checkpoint.py); resumable at any number of processes
+    snapshots/uNNNN_stepXXXXXX.pt  diagnostic inputs NNNN updates after the switch (gathered whole when sharded)
     monitor.h5                     the in-training update diagnostic, when a monitor is given (diag/monitor.py)
     summary.json                   written when the run finishes
 
@@ -19,7 +22,8 @@ While a run writes it, `.DIR.lock` beside the directory (common/lock.py) keeps a
 run out of it.
 
 Run it with `depthdiag train CONFIG` or, distributed,
-`torchrun --nproc_per_node=N -m depthdiag train CONFIG [--out DIR] [--set k=v] [--resume DIR]`.
+`torchrun --nproc_per_node=N -m depthdiag train CONFIG [--out DIR] [--set k=v] [--resume DIR]`,
+the ranks replicating the model (DDP, train.parallel='ddp') or sharding it (FSDP2, 'fsdp').
 """
 
 from __future__ import annotations
@@ -47,9 +51,12 @@ from trainer.checkpoint import (
     SNAPSHOT_DIR,
     Snapshot,
     checkpoint_name,
+    gathered_state,
     latest_checkpoint,
+    load_sharded_state,
     load_snapshot,
     save_checkpoint,
+    save_sharded_checkpoint,
     save_snapshot,
     snapshot_name,
 )
@@ -63,11 +70,12 @@ from trainer.distributed import (
     barrier,
     init_world,
     native_bf16,
+    shard_model,
     shutdown_world,
 )
 from trainer.flops import update_flops
 from trainer.hooks import TrainingMonitor
-from trainer.loss import clip_gradients_, counted_targets, loss_sum_of
+from trainer.loss import clip_gradients_, counted_targets, forward_precision, loss_sum_of
 from trainer.model import LoopedTransformer
 from trainer.optim import build_optimizer, lr_at
 from trainer.resources import check_memory
@@ -184,8 +192,9 @@ def train(
     with train.eval_every > 0, every eval_every updates and at the last, val_nll_S for each
     depth S of train.eval_depths: the mean token NLL (nats) of the held-out evaluation set
     at serving depth S of the model after this update (eval mode, no gradients, fp32, one
-    pass for all depths; rank 0 computes it, and the training is the same to the bit with
-    it on or off). The same scalars go to the sinks [logging] asks for (trainer/sinks.py).
+    pass for all depths; rank 0 computes it, every rank when sharded, under bf16 autocast
+    there when training in bf16; the training is the same to the bit with it on or off).
+    The same scalars go to the sinks [logging] asks for (trainer/sinks.py).
 
     The run directory is exclusive: rank 0 holds its lock (common/lock.py) from before
     anything in it is read until the run ends, and a second `train` into it, fresh or
@@ -267,6 +276,12 @@ class _Run:
     snapshots: list[str] = field(default_factory=list)
     """Snapshots this invocation wrote."""
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is sharded over the ranks (FSDP2), so that every rank takes part
+        in each checkpoint, snapshot and validation pass."""
+        return self.world.distributed and self.config.train.parallel == "fsdp"
+
     def uniform_updates(self, step: int) -> int:
         switch = self.schedule.switch_step
         return 0 if switch is None else step - switch
@@ -282,10 +297,11 @@ class _Run:
         return step in self.snapshot_at or self.checkpoint_due(step)
 
     def write_boundary(self, step: int) -> None:
-        """Snapshot and checkpoint due after `step` updates (rank 0). The snapshot goes
-        first, so a checkpoint on disk implies every snapshot up to its step is too. A
+        """Snapshot and checkpoint due after `step` updates (rank 0; every rank when sharded,
+        which gathers the snapshot's state and writes its own checkpoint shards). The snapshot
+        goes first, so a checkpoint on disk implies every snapshot up to its step is too. A
         write the file system refuses (full, read-only, over a size limit) fails the run."""
-        if not self.world.is_main:
+        if not (self.world.is_main or self.sharded):
             return
         try:
             if step in self.snapshot_at:
@@ -315,16 +331,24 @@ class _Run:
 
     def _write_snapshot(self, step: int) -> None:
         tc = self.config.train
+        states = gathered_state(self.model, self.update.optimizer) if self.sharded else None
+        if not self.world.is_main:
+            return
         batches = torch.stack(
             [self.source.batch(tc.seed, step + i, tc.batch_size, tc.seq_len) for i in range(tc.snapshot_batches)]
         )  # [n, B, T+1]
         path = self.run_dir / SNAPSHOT_DIR / snapshot_name(self.snapshot_at[step], step)
-        save_snapshot(path, **self._state_at(step), batches=batches)
+        save_snapshot(path, **self._state_at(step), batches=batches, states=states)
         self.snapshots.append(str(path))
 
     def _write_checkpoint(self, step: int) -> None:
-        path = self.run_dir / CHECKPOINT_DIR / checkpoint_name(step)
-        save_checkpoint(path, **self._state_at(step), progress=self.counters)
+        path = self.run_dir / CHECKPOINT_DIR / checkpoint_name(step, sharded=self.sharded)
+        if self.sharded:
+            save_sharded_checkpoint(path, self.world, **self._state_at(step), progress=self.counters)
+            if not self.world.is_main:
+                return
+        else:
+            save_checkpoint(path, **self._state_at(step), progress=self.counters)
         atomic_write_text(path.name + "\n", path.parent / LATEST)
         self.checkpoints.append(str(path))
         self.last_checkpoint = path
@@ -343,16 +367,19 @@ def _set_up(config: RunConfig, run_dir: Path, world: World, *, resume: bool) -> 
             f"({source.vocab_size} tokens)"
         )
     eval_tokens = source.eval_tokens(config.data.eval_sequences, tc.seq_len)  # [E, T+1]
-    model, checkpoint = _initial_model(config, run_dir, resume=resume)
+    sharded = world.distributed and tc.parallel == "fsdp"
+    model, checkpoint = _initial_model(config, run_dir, resume=resume, sharded=sharded)
     model.to(world.device)
-    # Every parameter takes part at every depth, so DDP needs no unused-parameter search.
-    ddp = (
-        DistributedDataParallel(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
-        if world.distributed
-        else None
-    )
+    ddp = None
+    if sharded:
+        shard_model(model, world, tc.precision)  # before the optimizer, which holds the shards
+    elif world.distributed:
+        # Every parameter takes part at every depth, so DDP needs no unused-parameter search.
+        ddp = DistributedDataParallel(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
     update = TrainStep.for_run(model, config, forward=ddp)  # after the move: loaded state follows the parameters
-    if checkpoint is not None:
+    if checkpoint is not None and sharded:
+        _load_sharded_checkpoint(checkpoint, model, update.optimizer)
+    elif checkpoint is not None:
         update.optimizer.load_state_dict(checkpoint.optimizer_state)
     start = checkpoint.step if checkpoint is not None else 0
     resumed_loss = _prepare_run_dir(config, run_dir, world, keep_metrics_before=start)
@@ -391,11 +418,15 @@ def _checked_schedule(config: RunConfig, world: World) -> Schedule:
     return schedule
 
 
-def _initial_model(config: RunConfig, run_dir: Path, *, resume: bool) -> tuple[LoopedTransformer, Snapshot | None]:
+def _initial_model(
+    config: RunConfig, run_dir: Path, *, resume: bool, sharded: bool = False
+) -> tuple[LoopedTransformer, Snapshot | None]:
     """The model on the CPU, initialised from train.seed (so every device starts from the
     same weights); when resuming, with the weights of the newest checkpoint in `run_dir`
     (returned too) and the process RNGs restored to its states. A resume refuses a missing
-    checkpoint or another config (a fresh run's directory is checked under its lock)."""
+    checkpoint or another config (a fresh run's directory is checked under its lock). A
+    `sharded` run reads a sharded checkpoint's meta.pt alone: its shards go into the
+    sharded model (`_load_sharded_checkpoint`)."""
     torch.manual_seed(config.train.seed)
     model = LoopedTransformer(config.model)
     if not resume:
@@ -403,7 +434,7 @@ def _initial_model(config: RunConfig, run_dir: Path, *, resume: bool) -> tuple[L
     checkpoint_path = latest_checkpoint(run_dir)
     if checkpoint_path is None:
         raise InputError(f"{run_dir}: no checkpoint to resume from")
-    checkpoint = load_snapshot(checkpoint_path, kind="checkpoint")
+    checkpoint = load_snapshot(checkpoint_path, kind="checkpoint", shards=not sharded)
     differences = _config_differences(checkpoint.config, config)
     if differences:
         raise InputError(
@@ -411,9 +442,32 @@ def _initial_model(config: RunConfig, run_dir: Path, *, resume: bool) -> tuple[L
             f"({'; '.join(differences)}); resume with the stored {run_dir / 'config.json'} "
             "or train into a new directory"
         )
-    model.load_state_dict(checkpoint.model_state)
+    if checkpoint.model_state:  # empty when a sharded run loads a folder's shards itself
+        model.load_state_dict(checkpoint.model_state)
     set_process_rng_state(checkpoint.rng)
     return model, checkpoint
+
+
+def _load_sharded_checkpoint(checkpoint: Snapshot, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load `checkpoint` into the FSDP2-sharded `model` and its `optimizer` (every rank): a
+    sharded folder's shards through torch.distributed.checkpoint, which reshards them to
+    this world size; a checkpoint file (of a one-process run) whole, each rank keeping its
+    shards. The weights of a file were loaded before sharding already (`_initial_model`)."""
+    if checkpoint.path.is_dir():
+        load_sharded_state(checkpoint.path, model, optimizer)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = {id(p): name for name, p in model.named_parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    stored = checkpoint.optimizer_state
+    named = {
+        "state": {names[id(params[i])]: value for i, value in stored["state"].items()},
+        "param_groups": [
+            {**group, "params": [names[id(params[i])] for i in group["params"]]} for group in stored["param_groups"]
+        ],
+    }
+    set_optimizer_state_dict(model, optimizer, named, options=StateDictOptions(full_state_dict=True))
 
 
 def _config_differences(stored: RunConfig, given: RunConfig) -> list[str]:
@@ -578,9 +632,10 @@ class _DivergenceWatch:
 
 
 def _show_monitor(run: _Run, monitor: TrainingMonitor | None, step: int) -> float:
-    """Show the monitor (rank 0) the model and optimizer after `step` updates; returns the
-    seconds it took. A monitor file the file system refuses fails the run."""
-    if monitor is None or not run.world.is_main:
+    """Show the monitor (rank 0; every rank when the model is sharded, as each holds a part
+    of it) the model and optimizer after `step` updates; returns the seconds it took. A
+    monitor file the file system refuses fails the run."""
+    if monitor is None or not (run.world.is_main or run.sharded):
         return 0.0
     began = time.perf_counter()
     try:
@@ -601,17 +656,25 @@ def _validation_due(run: _Run, done: int) -> bool:
 def _validation_nll(run: _Run) -> tuple[dict[int, float] | None, float]:
     """(serving depth -> mean token NLL of the run's evaluation set, seconds it took) on
     rank 0; (None, 0) elsewhere. Runs in eval mode without gradients and draws no random
-    numbers, so the training that follows is the same to the bit."""
-    if not run.world.is_main:
+    numbers, so the training that follows is the same to the bit. A sharded model gathers
+    its weights block by block in the pass, so there every rank scores the whole set
+    alongside rank 0 and drops the result; with train.precision='bf16' it gathers the
+    blocks' weights in bf16 (trainer/distributed.py shard_model), so the pass runs under
+    bf16 autocast instead of in fp32."""
+    if not (run.world.is_main or run.sharded):
         return None, 0.0
     began = time.perf_counter()
     depths = run.config.train.eval_depth_list
     was_training = run.model.training
     run.model.eval()
+    precision = run.config.train.precision if run.sharded else "fp32"
     try:
-        nll = mean_nll_by_depth(run.model, run.eval_tokens, depths, device=run.world.device)
+        with forward_precision(run.world.device.type, precision):
+            nll = mean_nll_by_depth(run.model, run.eval_tokens, depths, device=run.world.device)
     finally:
         run.model.train(was_training)
+    if not run.world.is_main:
+        return None, time.perf_counter() - began
     return dict(zip(depths, nll.tolist())), time.perf_counter() - began
 
 
@@ -627,7 +690,7 @@ def _train_updates(
     bar = progress_bar(tc.updates, f"train {run.run_dir}", "upd", initial=run.start, enabled=progress and world.is_main)
     try:
         run.write_boundary(run.start)
-        if monitor is not None and world.is_main:
+        if monitor is not None and (world.is_main or run.sharded):
             monitor.resume(run.start)
         _show_monitor(run, monitor, run.start)
         session_began, wall_time_before = time.perf_counter(), run.counters["wall_time"]
@@ -665,7 +728,7 @@ def _train_updates(
     finally:
         bar.close()
         log.close()
-        if monitor is not None and world.is_main:
+        if monitor is not None and (world.is_main or run.sharded):
             monitor.close()
     return log.last_loss
 

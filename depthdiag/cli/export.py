@@ -13,7 +13,7 @@ FORMATS = ("safetensors", "hf")
 
 
 @click.command("export")
-@click.argument("checkpoint", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.option(
     "--out",
     required=True,

@@ -18,7 +18,7 @@ from depthdiag.cli.options import (
 
 
 @click.command("lm-eval")
-@click.argument("checkpoint", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("checkpoint", required=False, type=click.Path(path_type=Path))
 @click.option(
     "--tasks",
     required=True,

@@ -119,7 +119,7 @@ def train_run(
 
 
 @click.command("eval")
-@click.argument("checkpoint", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("checkpoint", required=False, type=click.Path(path_type=Path))
 @serving_option
 @click.option(
     "--out",

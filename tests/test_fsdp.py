@@ -1,0 +1,228 @@
+"""train.parallel='fsdp' under torchrun: two gloo processes sharding the model with FSDP2 train
+the run one process trains, write torch.distributed.checkpoint folders that resume to the bit
+(and at another number of processes), and snapshots a plain process reads like any other."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import DDP_CONFIG, read_metrics, run_depthdiag, torchrun_train, without_wall_time
+
+from common.errors import InputError
+from trainer.checkpoint import LATEST, META, latest_checkpoint, load_snapshot
+from trainer.config import RunConfig, load_config
+from trainer.resources import training_memory
+from trainer.train import train
+
+UPDATES = 50
+"""Updates of the shared runs: checkpoints after 25 and 50, snapshots after 25 and 27."""
+
+
+def fsdp_config(directory: Path, *, parallel: str = "fsdp") -> Path:
+    """DDP_CONFIG over 50 updates with every update logged, clipping that binds most updates
+    (so sharded clipping is compared too) and the validation NLL after 25 and 50."""
+    corpus = directory / "corpus.txt"
+    rng = random.Random(2)
+    corpus.write_text(" ".join(rng.choice("one two three four five six seven".split()) for _ in range(3000)))
+    text = DDP_CONFIG.format(corpus=corpus)
+    for old, new in (
+        ("updates = 8", f"updates = {UPDATES}"),
+        ("checkpoint_every = 4", "checkpoint_every = 25"),
+        ("eval_every = 4", "eval_every = 25"),
+        ("warmup = 2", "warmup = 2\ngrad_clip = 0.5"),
+        ('device = "cpu"', f'device = "cpu"\nparallel = "{parallel}"'),
+    ):
+        assert old in text
+        text = text.replace(old, new)
+    path = directory / f"{parallel}.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """The same run trained by 2 FSDP2 processes and by one process (tests/test_distributed.py
+    checks DDP against one process)."""
+    directory = tmp_path_factory.mktemp("fsdp")
+    config_path = fsdp_config(directory)
+    result = torchrun_train(config_path, directory / "fsdp")
+    assert result.returncode == 0, result.stderr[-3000:]
+    train(load_config(config_path), directory / "single", progress=False)
+    return {"config": config_path, "fsdp": directory / "fsdp", "single": directory / "single"}
+
+
+def losses(run_dir: Path, key: str = "loss") -> list[float]:
+    return [r[key] for r in read_metrics(run_dir)]
+
+
+def test_fsdp_trains_the_one_process_run(runs):
+    fsdp, single = read_metrics(runs["fsdp"]), read_metrics(runs["single"])
+    assert [r["step"] for r in fsdp] == [r["step"] for r in single] == list(range(UPDATES))
+    assert [r["loss"] for r in fsdp] == pytest.approx([r["loss"] for r in single], rel=1e-5)
+    # The norms before clipping are global over the shards, and the clipping (to 0.5,
+    # binding at every update here) scales the shards alike, or the losses would part.
+    assert [r["grad_norm"] for r in fsdp] == pytest.approx([r["grad_norm"] for r in single], rel=1e-5)
+    assert min(r["grad_norm"] for r in fsdp) > 0.5
+    # Every rank joined the validation passes (FSDP2 gathers weights in them); rank 0 recorded them.
+    validated = [r for r in fsdp if "val_nll_1" in r]
+    assert [r["step"] for r in validated] == [24, 49]
+    for a in validated:
+        b = single[a["step"]]
+        assert [a[f"val_nll_{d}"] for d in (1, 2, 3)] == pytest.approx([b[f"val_nll_{d}"] for d in (1, 2, 3)], rel=1e-5)
+
+
+def test_fsdp_checkpoints_are_dcp_folders_a_plain_process_reads(runs):
+    checkpoints = runs["fsdp"] / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [LATEST, "step_000025.dcp", "step_000050.dcp"]
+    assert latest_checkpoint(runs["fsdp"]) == checkpoints / "step_000050.dcp"
+    assert not list(runs["fsdp"].rglob(".*.tmp*"))
+    sharded = load_snapshot(checkpoints / "step_000050.dcp", kind="checkpoint")
+    single = load_snapshot(runs["single"] / "checkpoints" / "step_000050.pt", kind="checkpoint")
+    assert (sharded.step, sharded.uniform_updates, sharded.lr) == (single.step, single.uniform_updates, single.lr)
+    assert sharded.progress.keys() == single.progress.keys()
+    assert torch.equal(sharded.eval_tokens, single.eval_tokens)
+    assert_close_states(sharded, single)
+
+
+def test_fsdp_snapshots_are_the_one_process_files(runs):
+    for name in ("u0000_step000025.pt", "u0002_step000027.pt"):
+        sharded = load_snapshot(runs["fsdp"] / "snapshots" / name, kind="snapshot")
+        single = load_snapshot(runs["single"] / "snapshots" / name, kind="snapshot")
+        assert torch.equal(sharded.batches, single.batches)
+        assert_close_states(sharded, single)
+        # The gathered optimizer state loads into a plain optimizer and takes its next step.
+        model = sharded.model()
+        sharded.optimizer(model)
+
+
+def assert_close_states(a, b) -> None:
+    """Two loaded snapshots' model and optimizer states: the same keys, tensors within 1e-5."""
+    assert a.model_state.keys() == b.model_state.keys()
+    for name, tensor in a.model_state.items():
+        torch.testing.assert_close(tensor, b.model_state[name], rtol=1e-5, atol=1e-5)
+    assert a.optimizer_state["param_groups"] == b.optimizer_state["param_groups"]
+    assert a.optimizer_state["state"].keys() == b.optimizer_state["state"].keys()
+    for index, entry in a.optimizer_state["state"].items():
+        for key, value in entry.items():
+            torch.testing.assert_close(value, b.optimizer_state["state"][index][key], rtol=1e-5, atol=1e-6)
+
+
+def torchrun_resume(config_path: Path, run_dir: Path, processes: int = 2):
+    return run_depthdiag("train", config_path, "--resume", run_dir, "--no-progress", ranks=processes)
+
+
+def interrupted_copy(run_dir: Path, copy: Path, suffix: str = ".dcp") -> Path:
+    """`run_dir` as an interruption after its checkpoint of update 25 would have left it."""
+    shutil.copytree(run_dir, copy)
+    last = copy / "checkpoints" / f"step_000050{suffix}"
+    shutil.rmtree(last) if last.is_dir() else last.unlink()
+    (copy / "checkpoints" / LATEST).write_text(f"step_000025{suffix}\n")
+    (copy / "summary.json").unlink()
+    return copy
+
+
+def test_fsdp_resume_is_bit_exact(runs, tmp_path):
+    resumed = interrupted_copy(runs["fsdp"], tmp_path / "resumed")
+    result = torchrun_resume(runs["config"], resumed)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert without_wall_time(resumed) == without_wall_time(runs["fsdp"])
+    a = load_snapshot(resumed / "checkpoints" / "step_000050.dcp")
+    b = load_snapshot(runs["fsdp"] / "checkpoints" / "step_000050.dcp")
+    for name, tensor in a.model_state.items():
+        assert torch.equal(tensor, b.model_state[name]), name
+    for index, entry in a.optimizer_state["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(value, b.optimizer_state["state"][index][key]), (index, key)
+
+
+def test_fsdp_checkpoint_resumes_in_one_process(runs, tmp_path):
+    resumed = interrupted_copy(runs["fsdp"], tmp_path / "resumed")
+    summary = train(load_config(runs["config"]), resumed, resume=True, progress=False)
+    assert summary.resumed_from == 25
+    assert losses(resumed)[25:] == pytest.approx(losses(runs["fsdp"])[25:], rel=1e-5)
+    assert (resumed / "checkpoints" / "step_000050.pt").is_file()  # one process writes the usual file
+
+
+def test_a_one_process_checkpoint_resumes_sharded(runs, tmp_path):
+    resumed = interrupted_copy(runs["single"], tmp_path / "resumed", suffix=".pt")
+    result = torchrun_resume(runs["config"], resumed)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert losses(resumed)[25:] == pytest.approx(losses(runs["single"])[25:], rel=1e-5)
+    assert latest_checkpoint(resumed) == resumed / "checkpoints" / "step_000050.dcp"
+
+
+@pytest.mark.slow
+def test_fsdp_checkpoint_resumes_at_four_processes(runs, tmp_path):
+    resumed = interrupted_copy(runs["fsdp"], tmp_path / "resumed")
+    result = torchrun_resume(runs["config"], resumed, processes=4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert losses(resumed)[25:] == pytest.approx(losses(runs["fsdp"])[25:], rel=1e-5)
+    after = read_metrics(resumed)[25:]
+    assert [r["rank_depths"] for r in after] == [[r["depth"]] * 4 for r in after]
+
+
+def test_a_damaged_checkpoint_folder_is_one_line(runs, tmp_path):
+    folder = tmp_path / "step_000025.dcp"
+    shutil.copytree(runs["fsdp"] / "checkpoints" / "step_000025.dcp", folder)
+    (folder / META).write_bytes(b"not a torch file")
+    with pytest.raises(InputError, match=rf"^{folder / META}: truncated or not a depthdiag") as caught:
+        load_snapshot(folder)
+    assert "\n" not in str(caught.value)
+    (folder / META).unlink()
+    with pytest.raises(InputError, match=rf"^{folder}: no {META}, so not a complete sharded") as caught:
+        load_snapshot(folder)
+    shutil.copy(runs["fsdp"] / "checkpoints" / "step_000025.dcp" / META, folder / META)
+    (folder / "__1_0.distcp").unlink()
+    with pytest.raises(InputError, match=rf"^{folder}: the shards do not load") as caught:
+        load_snapshot(folder)
+    assert "\n" not in str(caught.value)
+
+
+def test_parallel_is_validated_and_shards_the_memory_bound(tmp_path):
+    config = load_config(fsdp_config(tmp_path))
+    values = config.to_dict()
+    values["train"]["parallel"] = "zero3"
+    with pytest.raises(InputError, match="train.parallel must be 'ddp' or 'fsdp', got 'zero3'"):
+        RunConfig.from_dict(values)
+    values["train"]["parallel"] = "ddp"
+    ddp = RunConfig.from_dict(values)
+    sharded, replicated = training_memory(config, 4), training_memory(ddp, 4)
+    assert sharded.parameter_bytes(sharded.parameters) == replicated.parameter_bytes(replicated.parameters) // 4
+    assert training_memory(config, 1).model_bytes == training_memory(ddp, 1).model_bytes
+
+
+def test_fsdp_bf16_trains_close_to_one_process(tmp_path):
+    """With bf16 the blocks' weights are gathered in bf16 under autocast: the losses stay
+    within bf16 rounding of one process's bf16 run, and the validation pass runs (in bf16)."""
+    config_path = fsdp_config(tmp_path)
+    text = config_path.read_text().replace(f"updates = {UPDATES}", "updates = 8")
+    text = text.replace("eval_every = 25", "eval_every = 4")
+    text = text.replace('parallel = "fsdp"', 'parallel = "fsdp"\nprecision = "bf16"')
+    config_path.write_text(text)
+    result = torchrun_train(config_path, tmp_path / "fsdp")
+    assert result.returncode == 0, result.stderr[-3000:]
+    train(load_config(config_path), tmp_path / "single", progress=False)
+    fsdp, single = read_metrics(tmp_path / "fsdp"), read_metrics(tmp_path / "single")
+    assert [r["loss"] for r in fsdp] == pytest.approx([r["loss"] for r in single], rel=1e-3)
+    assert [r["val_nll_2"] for r in fsdp if "val_nll_2" in r] == pytest.approx(
+        [r["val_nll_2"] for r in single if "val_nll_2" in r], rel=1e-2
+    )
+
+
+@pytest.mark.slow
+def test_fsdp_compiles_its_blocks(tmp_path):
+    """train.compile with sharding: the compiled sharded blocks train the eager run (a minute of
+    compiling on a cold cache)."""
+    config_path = fsdp_config(tmp_path)
+    config_path.write_text(config_path.read_text().replace(f"updates = {UPDATES}", "updates = 8"))
+    eager = load_config(config_path)
+    config_path.write_text(config_path.read_text().replace('parallel = "fsdp"', 'parallel = "fsdp"\ncompile = true'))
+    result = torchrun_train(config_path, tmp_path / "compiled")
+    assert result.returncode == 0, result.stderr[-3000:]
+    train(eager, tmp_path / "eager", progress=False)
+    assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "eager"), rel=1e-5)
+
