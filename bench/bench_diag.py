@@ -126,7 +126,7 @@ def throughput(config: RunConfig, repeats: int) -> dict:
         "first version": FirstVersionDiagnostic(model, optimizer, eval_tokens, first, eval_mask=eval_mask),
     }
     for diagnostic in diagnostics.values():
-        _ = diagnostic.delta0, diagnostic.nll_before  # per-snapshot work, shared by every batch
+        _ = diagnostic.nll_before  # per-snapshot work, shared by every batch
     units = {name: (lambda d=d: d.compare(batch)) for name, d in diagnostics.items()}
     # The default's evaluations alone, on the updates a unit evaluates: what a unit would
     # cost if its gradient passes were free, the bound on any faster gradient path.
@@ -205,7 +205,7 @@ def unit_vs_parts(config: RunConfig, repeats: int) -> dict:
     )
     diagnostic = UpdateDiagnostic(model, optimizer, eval_tokens, options, eval_mask=eval_mask)
     eval_targets = diagnostic.eval_targets
-    _ = diagnostic.delta0, diagnostic.nll_before
+    _ = diagnostic.nll_before
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=options.precision == "bf16")
 
     def parts() -> None:

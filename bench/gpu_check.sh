@@ -2,8 +2,10 @@
 # The GPU path in one short run: bf16 training of a mid-size model on CUDA for a
 # few hundred updates (fixed-first, with snapshots at the switch and 16 uniform
 # updates later), tokens/s and achieved FLOP/s of the compiled paper-200m-shaped
-# model against the measured bf16 matmul peak, a resume check, evaluation, and the
-# diagnostic on CUDA. Prints what it measures; exits non-zero on the first failure.
+# model against the measured bf16 matmul peak, a resume check, evaluation, the
+# diagnostic on CUDA, and FSDP2 at one GPU (bench/gpu_fsdp_check.py: sharded bf16
+# training, the sharded diagnostic against the unsharded). Prints what it measures;
+# exits non-zero on the first failure.
 #
 #   bash bench/gpu_check.sh [OUT_DIR]
 #   DEVICE=cpu UPDATES=24 D_MODEL=64 bash bench/gpu_check.sh   # the same steps, small, on the CPU
@@ -79,4 +81,7 @@ echo "== diagnose on $DEVICE"
 time "$DEPTHDIAG" diagnose "$OUT"/run/snapshots/*.pt --out "$OUT/results.h5" --batches 4 \
   --device "$DEVICE" --no-progress
 "$DEPTHDIAG" summarize "$OUT/results.h5"
+echo "== FSDP2 at one $DEVICE: sharded bf16 training, then the sharded diagnostic against the unsharded"
+"$PY" bench/gpu_fsdp_check.py --device "$DEVICE" --updates "$((UPDATES < 200 ? UPDATES : 200))" --d-model "$D_MODEL"
+
 echo "gpu check: all steps ran"

@@ -110,7 +110,81 @@ def render(results: dict) -> str:
         f"interpreter with torch loaded, against {memory['weights_and_optimizer_bytes'] / 2**20:.1f} MiB of "
         f"weights plus optimizer state.",
     ]
+    if "scale" in results:
+        lines += ["", _scale_paragraph(results["scale"]), "", _fits_table(results["scale"]["memory"])]
     return "\n".join(lines)
+
+
+MODEL_SIZES = {"200M (paper-200m)": 206e6, "1B (paper-1b)": 1.06e9, "3.5B (Huginn's size)": 3.5e9}
+GPUS = {"80 GB": 80e9, "141 GB": 141e9}
+USABLE = 0.8
+"""Of a GPU's memory, what the state may take: the rest is left for activations, the CUDA
+context and the allocator's slack."""
+
+
+def _ranks_needed(state_bytes: float, capacity: float, efficiency: float) -> int:
+    """The fewest ranks (1, 2, 4, 8, ...) whose per-rank share of `state_bytes` fits `capacity`;
+    a share at R ranks is state / R / efficiency (efficiency measured at 2 ranks)."""
+    ranks = 1
+    while (state_bytes if ranks == 1 else state_bytes / ranks / efficiency) > capacity:
+        ranks *= 2
+    return ranks
+
+
+def _fits_table(memory: dict) -> str:
+    """What fits on one GPU, from the bytes per parameter measured (bench/bench_scale.py)."""
+    per = memory["bytes_per_parameter"]
+    train, unit, sharded = per["train_step"], per["diagnose_unit"], per["sharded_unit_per_rank"]
+    efficiency = unit / 2 / sharded  # 1.0: the 2-rank share is exactly half
+    lines = [
+        f"What fits, from the bytes per parameter measured above with a negligible batch (a training step "
+        f"{train:.1f}, a diagnose unit {unit:.1f}, a diagnose unit sharded over 2 ranks {sharded:.1f} per rank, "
+        f"so {efficiency:.0%} of a perfect halving), allowing the state {USABLE:.0%} of a GPU's memory and "
+        "the rest for activations (which come on top: a unit's gradient pass at depth 16 keeps what a "
+        "training step at depth 16 of the same micro-batch keeps). Ranks: GPUs that a sharded run "
+        "(`train.parallel=fsdp`, `diagnose --sharded`) needs, assuming the share keeps shrinking as at 2 "
+        "ranks; measured on the CPU, so the CUDA context and the caching allocator come on top.",
+        "",
+        "| model | training state | diagnose state | " + " | ".join(f"train / diagnose, {g}" for g in GPUS) + " |",
+        "|---|---|---|" + "---|" * len(GPUS),
+    ]
+    for name, parameters in MODEL_SIZES.items():
+        cells = []
+        for capacity in GPUS.values():
+            usable = USABLE * capacity
+            needs = [_ranks_needed(b * parameters, usable, efficiency) for b in (train, unit)]
+            cells.append(" / ".join("1 GPU" if n == 1 else f"{n} ranks" for n in needs))
+        lines.append(
+            f"| {name} | {train * parameters / 1e9:.0f} GB | {unit * parameters / 1e9:.0f} GB | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def _scale_paragraph(scale: dict) -> str:
+    """Diagnose across ranks and the memory of the diagnostic (bench/bench_scale.py)."""
+    ranks, memory = scale["ranks"], scale["memory"]
+    per_minute = ranks["units_per_minute"]
+    mib = 2**20
+    step, unit, sharded = memory["train_step"], memory["diagnose_unit"], memory["sharded_unit_per_rank"]
+    return "\n".join(
+        [
+            f"Diagnose across ranks ({ranks['units']} units of one snapshot of {ranks['config']}, one thread per "
+            f"process): {per_minute['1']:.1f} units/min at 1 rank, {per_minute['2']:.1f} at 2 "
+            f"({ranks['speedup']:.2f}x over the units; {ranks['speedup_with_start_up']:.2f}x of the whole command, "
+            f"start-up and loading included: {ranks['wall_seconds']['1']:.1f} s and "
+            f"{ranks['wall_seconds']['2']:.1f} s).",
+            "",
+            f"Memory on a {memory['parameters'] / 1e6:.0f}M-parameter model, batch {memory['batch'][0]} x "
+            f"{memory['batch'][1]} tokens, peak above the process before the model existed (freed memory handed "
+            f"back at once): a training step at depth 16 {step['peak_bytes'] / mib:,.0f} MiB, one diagnose unit "
+            f"(depths 4 and 16, serving 1-16) {unit['peak_bytes'] / mib:,.0f} MiB "
+            f"({memory['unit_over_step']:.2f}x), the same unit sharded over 2 ranks {sharded['peak_bytes'] / mib:,.0f} "
+            f"MiB per rank ({memory['sharded_over_unsharded']:.2f}x the unsharded unit; {sharded['seconds']:.0f} s "
+            f"against {unit['seconds']:.0f} s unsharded on this machine's cores).",
+        ]
+    )
 
 
 def main() -> None:

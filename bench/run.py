@@ -125,6 +125,24 @@ def figures(results: dict) -> list[dict]:
             "<= 0.15",
             "",
         ),
+        _row(
+            "diagnose units/min at 2 ranks vs 1 (torchrun, units spread, one thread each)",
+            results["scale"]["ranks"]["speedup"],
+            ">= 1.8",
+            "x",
+        ),
+        _row(
+            "diagnose unit's peak memory vs a training step's at depth 16, 55M parameters",
+            results["scale"]["memory"]["unit_over_step"],
+            "<= 2.0",
+            "x",
+        ),
+        _row(
+            "sharded diagnostic's per-rank peak at 2 ranks vs the unsharded unit's",
+            results["scale"]["memory"]["sharded_over_unsharded"],
+            "<= 0.6",
+            "x",
+        ),
         _row("`depthdiag --help` wall time", results["help_seconds"], "< 0.5", "s"),
     ]
 
@@ -155,6 +173,7 @@ def main() -> None:
     import bench_model
     import bench_monitor
     import bench_monitor_callback
+    import bench_scale
     import bench_train
 
     began = time.perf_counter()
@@ -170,6 +189,8 @@ def main() -> None:
     results["monitor"] = bench_monitor.run(args.monitor_config)
     print("bench: monitor through the Trainer callback ...", file=sys.stderr, flush=True)
     results["monitor_callback"] = bench_monitor_callback.run(args.monitor_config)
+    print("bench: scale (diagnose across ranks, memory) ...", file=sys.stderr, flush=True)
+    results["scale"] = bench_scale.run(args.config)
     results["figures"] = figures(results)
     results["seconds"] = time.perf_counter() - began
     out = Path(args.out)

@@ -3,7 +3,8 @@
     diag.compare_updates(model, optimizer, batch, eval_tokens, ...) -> xarray.Dataset
 
 runs one (snapshot, batch) unit; `UpdateDiagnostic` shares the per-snapshot work
-(Delta(0), the NLL before the update) across batches; `diag.run.diagnose` runs
+(clones of theta and the optimizer state, the NLL before the update) across batches
+(`ShardedUpdateDiagnostic`: the same on an FSDP2-sharded model, docs/scaling.md); `diag.run.diagnose` runs
 many snapshot files, or the `AdaptedModel` an adapter function returns, into one
 results file; `diag.save_snapshot` writes a snapshot folder from any training loop that
 `depthdiag diagnose` reads (`diag.load_snapshot_folder` loads one). See docs/diagnostic.md.
@@ -19,6 +20,7 @@ _HOMES = {
     "BiasCorrectionWarning": "diag.engine",
     "DepthMonitor": "diag.monitor",
     "DiagnosticOptions": "diag.engine",
+    "ShardedUpdateDiagnostic": "diag.sharded",
     "UpdateDiagnostic": "diag.engine",
     "compare_updates": "diag.engine",
     "global_cosine": "diag.engine",

@@ -11,9 +11,11 @@ For weights theta with optimizer state S and one training batch b:
     benefit_K(s) = nll[K_ref, s] - nll[K, s]     (positive favours depth K over K_ref)
 
 `UpdateDiagnostic` holds what is shared by every batch of one snapshot (fp32
-clones of theta and S, Delta(0), the NLL of theta itself); `compare_updates`
-is the one-shot wrapper. Neither touches the model or the optimizer: all
-forwards go through `torch.func.functional_call` on clones.
+clones of theta and S, the NLL of theta itself); `compare_updates` is the
+one-shot wrapper. Neither touches the model or the optimizer: all forwards go
+through `torch.func.functional_call` on clones (diag/sharded.py: the same for
+an FSDP2-sharded model). A unit streams its updates (`compare`): besides those
+clones it holds at most two updates and one gradient at a time.
 
 A model from another codebase is measured or refused, never silently mismeasured; each
 problem is a one-sentence InputError naming the fix: a forward that takes no `depth_kwarg`,
@@ -35,7 +37,7 @@ import inspect
 import json
 import math
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,7 +51,7 @@ from common.choices import ISOLATE_CHOICES, PRECISION_CHOICES, RMS_MATCH_CHOICES
 from common.depths import SERVING_DEPTHS, UPDATE_DEPTHS, checked_depths
 from common.errors import InputError
 from diag.families import ModelFamily, keyword_family
-from diag.optim_step import OptimizerStep, optimizer_step
+from diag.optim_step import OptimizerStep, fp32_clone, optimizer_step
 from trainer.loss import clip_gradients_, counted_targets, forward_precision, summed_token_loss
 from trainer.model import IGNORE_INDEX, LoopedTransformer
 from trainer.scoring import chunk_counts, mean_nll_by_depth, output_logits
@@ -113,34 +115,66 @@ class DiagnosticOptions:
 # --- pure update arithmetic --------------------------------------------------------------------
 
 
-def _squared_norms(update: Sequence[Tensor]) -> Tensor:
+SumOverRanks = Callable[[Tensor], Tensor]
+"""Sums a float64 tensor over the processes that hold the shards of an update (a sharded
+diagnostic's all-reduce); None: the update is whole in this process."""
+
+
+def _summed(values: Tensor, sum_over_ranks: SumOverRanks | None) -> Tensor:
+    return values if sum_over_ranks is None else sum_over_ranks(values)
+
+
+def _squared_norms(update: Sequence[Tensor], sum_over_ranks: SumOverRanks | None = None) -> Tensor:
     """||u_p||^2 of every tensor, float64 [P], on the tensors' device (one sync when read)."""
     if not update:
         return torch.zeros(0, dtype=torch.float64)
-    return torch.stack([torch.linalg.vector_norm(u, dtype=torch.float64).square() for u in update])
+    norms = torch.stack([torch.linalg.vector_norm(u, dtype=torch.float64).square() for u in update])
+    return _summed(norms, sum_over_ranks)
 
 
-def global_rms(update: Sequence[Tensor]) -> float:
-    """sqrt(sum_p ||u_p||^2 / sum_p numel_p), accumulated in float64."""
-    numel = sum(u.numel() for u in update)
+def _numels(update: Sequence[Tensor], sum_over_ranks: SumOverRanks | None = None) -> list[int]:
+    """Elements of every tensor (of the whole tensors, when they are shards)."""
+    numels = [u.numel() for u in update]
+    if sum_over_ranks is None or not update:
+        return numels
+    return [int(n) for n in sum_over_ranks(torch.tensor(numels, dtype=torch.float64, device=update[0].device))]
+
+
+def global_rms(update: Sequence[Tensor], sum_over_ranks: SumOverRanks | None = None) -> float:
+    """sqrt(sum_p ||u_p||^2 / sum_p numel_p), accumulated in float64; with `sum_over_ranks`,
+    `update` is this process's shards and the sums run over every process's."""
+    numel = sum(_numels(update, sum_over_ranks))
     if numel == 0:
         return 0.0
-    return math.sqrt(float(_squared_norms(update).sum()) / numel)
+    return math.sqrt(float(_squared_norms(update, sum_over_ranks).sum()) / numel)
 
 
-def global_cosine(a: Sequence[Tensor], b: Sequence[Tensor]) -> float:
-    """<a, b> / (|a| |b|) over all tensors together, in float64; NaN when either is zero."""
+def global_cosine(a: Sequence[Tensor], b: Sequence[Tensor], sum_over_ranks: SumOverRanks | None = None) -> float:
+    """<a, b> / (|a| |b|) over all tensors together, in float64; NaN when either is zero.
+    With `sum_over_ranks` the dot products and norms of the shards are summed before they are divided."""
     dot = torch.stack([torch.dot(x.flatten().double(), y.flatten().double()) for x, y in zip(a, b)]).sum()
-    norm_a, norm_b = _squared_norms(a).sum().sqrt(), _squared_norms(b).sum().sqrt()
-    dot, norm_a, norm_b = (float(v) for v in torch.stack((dot, norm_a, norm_b)).cpu())
-    if norm_a == 0 or norm_b == 0:
+    sums = torch.stack((dot, _squared_norms(a).sum(), _squared_norms(b).sum()))
+    dot, norm2_a, norm2_b = (float(v) for v in _summed(sums, sum_over_ranks).cpu())
+    if norm2_a == 0 or norm2_b == 0:
         return math.nan
-    return dot / (norm_a * norm_b)
+    return dot / (math.sqrt(norm2_a) * math.sqrt(norm2_b))
 
 
 def _ratio(target: float, value: float) -> float:
     # An update that is exactly zero cannot be scaled to anything; leave it as it is.
     return target / value if value > 0 else 1.0
+
+
+def _tensor_rms(update: Sequence[Tensor], sum_over_ranks: SumOverRanks | None = None) -> list[float]:
+    """RMS of every tensor of `update` (0 for an empty one)."""
+    squared = _squared_norms(update, sum_over_ranks).tolist()
+    return [math.sqrt(n2 / n) if n else 0.0 for n2, n in zip(squared, _numels(update, sum_over_ranks))]
+
+
+def geomean_rms(rms: Sequence[float]) -> float:
+    """exp(mean log RMS) over the non-zero RMS values (0 when all are zero)."""
+    positive = [r for r in rms if r > 0]
+    return math.exp(sum(math.log(r) for r in positive) / len(positive)) if positive else 0.0
 
 
 def match_rms(updates: Sequence[Sequence[Tensor]], mode: str) -> tuple[list[list[Tensor]], list[float]]:
@@ -158,18 +192,10 @@ def match_rms(updates: Sequence[Sequence[Tensor]], mode: str) -> tuple[list[list
     if mode == "none":
         return [list(u) for u in updates], [1.0] * len(updates)
     if mode == "per-tensor":
-        numels = [t.numel() for t in updates[0]]
-        reference = [math.sqrt(n2 / n) if n else 0.0 for n2, n in zip(_squared_norms(updates[0]).tolist(), numels)]
-        matched = []
-        for u in updates:
-            own = [math.sqrt(n2 / n) if n else 0.0 for n2, n in zip(_squared_norms(u).tolist(), numels)]
-            matched.append([t * _ratio(r, o) for t, r, o in zip(u, reference, own)])
+        reference = _tensor_rms(updates[0])
+        matched = [[t * _ratio(r, o) for t, r, o in zip(u, reference, _tensor_rms(u))] for u in updates]
         return matched, [_ratio(global_rms(m), r) for m, r in zip(matched, rms)]
-    if mode == "reference":
-        target = rms[0]
-    else:
-        positive = [r for r in rms if r > 0]
-        target = math.exp(sum(math.log(r) for r in positive) / len(positive)) if positive else 0.0
+    target = rms[0] if mode == "reference" else geomean_rms(rms)
     scales = [_ratio(target, r) for r in rms]
     return [[t * s for t in u] for u, s in zip(updates, scales)], scales
 
@@ -310,7 +336,7 @@ def _check_gradient_coverage(trainable: list[str], grads: Sequence[Tensor | None
 
 class UpdateDiagnostic:
     """Everything one snapshot's units share: clones of theta and the optimizer state,
-    Delta(0) (computed once, on first use) and the NLL of theta itself.
+    and the NLL of theta itself (computed once, on first use).
 
     Build it from the model and the optimizer as they are at the snapshot; later changes
     to either are not seen. `compare(batch)` runs one unit.
@@ -337,10 +363,7 @@ class UpdateDiagnostic:
             raise InputError("the optimizer lists a parameter more than once")
         # The optimizer's clones are the same numbers: share them instead of holding two copies.
         shared = dict(zip(stepped, self.step.theta))
-        values = {
-            name: shared[name] if name in shared else p.detach().to(dtype=torch.float32, copy=True)
-            for name, p in model.named_parameters()
-        }
+        values = {name: shared[name] if name in shared else fp32_clone(p) for name, p in model.named_parameters()}
         self.theta: dict[str, Tensor] = values
         """Parameter name -> fp32 clone (deduplicated names, as named_parameters gives them)."""
         self.stepped: list[str] = stepped
@@ -370,8 +393,10 @@ class UpdateDiagnostic:
         self._chunk_counts = chunk_counts(self.eval_targets, options.eval_batch_size)
         if sum(self._chunk_counts) == 0:
             raise InputError("the evaluation set has no counted target (all IGNORE_INDEX or masked out)")
-        self._delta0: list[Tensor] | None = None
         self._nll_before: np.ndarray | None = None
+
+    sum_over_ranks: SumOverRanks | None = None
+    """None: the update is whole here; a sharded diagnostic sums its reductions over the ranks."""
 
     # --- pieces, each usable on its own ---
 
@@ -451,19 +476,17 @@ class UpdateDiagnostic:
 
     @property
     def delta0(self) -> list[Tensor]:
-        """Delta(0): the step with a zero gradient (momentum drift and weight decay)."""
-        if self._delta0 is None:
-            self._delta0 = self.step.delta([torch.zeros_like(t) for t in self.step.theta])
-        return self._delta0
+        """Delta(0): the step with a zero gradient (momentum drift and weight decay); computed
+        on each use (`update` subtracts it parameter by parameter and never holds it whole)."""
+        return self.step.delta([torch.zeros_like(t) for t in self.step.theta])
 
     def update(self, grads: Sequence[Tensor]) -> list[Tensor]:
         """u for one gradient under the chosen isolation (fp32, optimizer's flat order)."""
         if self.options.isolate == "linear":
             return self.step.linear(grads)
-        delta = self.step.delta(grads)
         if self.options.isolate == "none":
-            return delta
-        return [d.sub_(d0) for d, d0 in zip(delta, self.delta0)]
+            return self.step.delta(grads)
+        return self.step.counterfactual(grads)
 
     def evaluate(self, update: Sequence[Tensor] | None = None) -> np.ndarray:
         """Mean token NLL of theta + update on the evaluation set at every serving depth
@@ -495,20 +518,68 @@ class UpdateDiagnostic:
     # --- one unit ---
 
     def compare(self, batch: Tensor) -> xr.Dataset:
-        """Run the diagnostic on one batch [B, T+1]; see the module docstring."""
+        """Run the diagnostic on one batch [B, T+1]; see the module docstring.
+
+        Streaming: an update is scaled in place and evaluated as soon as its RMS match is
+        known, then freed, so besides Delta(0) at most two updates are alive (the reference,
+        which the cosine reads at the last depth, and the current one); rms_match='geomean'
+        needs every RMS first and holds every update."""
         opts = self.options
-        losses, updates = [], []
-        for depth in opts.update_depths:
+        last = len(opts.update_depths) - 1
+        losses, raw_rms, scales, nll = [], [], [], []
+        held: list[list[Tensor]] = []
+        reference: list[Tensor] = []
+        reference_tensor_rms: list[float] = []
+        cosine = math.nan
+        for i, depth in enumerate(opts.update_depths):
             loss, grads = self.gradient(batch, depth)
-            losses.append(loss)
-            updates.append(self.update(grads))
+            update = self.update(grads)
             del grads
-        raw_rms = [global_rms(u) for u in updates]
-        cosine = global_cosine(updates[0], updates[-1])
-        matched, scales = match_rms(updates, opts.rms_match)
-        del updates
-        nll = np.stack([self.evaluate(u) for u in matched])  # [update_depth, serving_depth]
-        return self._dataset(nll, losses, raw_rms, scales, cosine)
+            losses.append(loss)
+            raw_rms.append(global_rms(update, self.sum_over_ranks))
+            if i == 0:
+                reference = update
+                if opts.rms_match == "per-tensor":
+                    reference_tensor_rms = _tensor_rms(update, self.sum_over_ranks)
+            if i == last:
+                cosine = global_cosine(reference, update, self.sum_over_ranks)
+            if opts.rms_match == "geomean":
+                held.append(update)
+                continue
+            # The reference's own scale is exactly 1 in every mode: it is evaluated unscaled and
+            # kept for the cosine.
+            scales.append(self._scale_(update, raw_rms[i], raw_rms[0], reference_tensor_rms) if i else 1.0)
+            nll.append(self.evaluate(update))
+            del update
+        if held:
+            target = geomean_rms(raw_rms)
+            del reference
+            for i in range(len(held)):
+                update, held[i] = held[i], []
+                scales.append(_ratio(target, raw_rms[i]))
+                for t in update:
+                    t.mul_(scales[-1])
+                nll.append(self.evaluate(update))
+                del update
+        return self._dataset(np.stack(nll), losses, raw_rms, scales, cosine)  # nll [update_depth, serving_depth]
+
+    def _scale_(
+        self, update: list[Tensor], rms: float, reference_rms: float, reference_tensor_rms: list[float]
+    ) -> float:
+        """Scale `update` in place to the reference (rms_match 'reference', 'per-tensor'; 'none'
+        leaves it); returns its global scale RMS(scaled) / RMS(update), as `match_rms` does."""
+        mode = self.options.rms_match
+        if mode == "none":
+            return 1.0
+        if mode == "reference":
+            scale = _ratio(reference_rms, rms)
+            for t in update:
+                t.mul_(scale)
+            return scale
+        own = _tensor_rms(update, self.sum_over_ranks)
+        for t, r, o in zip(update, reference_tensor_rms, own):
+            t.mul_(_ratio(r, o))
+        return _ratio(global_rms(update, self.sum_over_ranks), rms)
 
     def _dataset(
         self, nll: np.ndarray, losses: list[float], raw_rms: list[float], scales: list[float], cosine: float

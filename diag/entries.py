@@ -19,7 +19,7 @@ from diag.evalset import resolve_eval_set
 from diag.hf import DEFAULT_BATCHES as DEFAULT_HF_BATCHES
 from diag.hf import HfInput, hf_adapted_model, hf_config_json
 from diag.snapshot_loading import SnapshotFolder, read_snapshot_folder
-from trainer.checkpoint import Snapshot, load_snapshot
+from trainer.checkpoint import Snapshot, is_checkpoint_folder, load_snapshot
 from trainer.distributed import resolve_device
 
 
@@ -66,6 +66,10 @@ class DiagnoseConfig:
     """The deepest update or serving depth accepted (a guard against typos such as '4,160')."""
     progress: bool = True
     """Show a progress bar over units (on a terminal)."""
+    sharded: bool = False
+    """Under torchrun: shard each snapshot's model and optimizer state over the ranks (FSDP2)
+    and compute every unit with all of them (diag/sharded.py), for a model that does not fit
+    one device; without it the units are spread over the ranks, one whole model each."""
     trust_remote_code: bool = False
     """Run the code a snapshot folder's Hugging Face model ships with (its model/ folder's
     auto_map); `hf` has its own (HfInput.trust_remote_code)."""
@@ -112,6 +116,8 @@ class DiagnoseConfig:
             raise InputError(f"device must be one of {DEVICE_CHOICES}, got {self.device!r}")
         if self.eval_set not in EVAL_SET_CHOICES:
             raise InputError(f"eval set must be one of {EVAL_SET_CHOICES}, got {self.eval_set!r}")
+        if self.sharded and (self.adapter is not None or self.hf is not None):
+            raise InputError("--sharded shards a run's snapshot or checkpoint files, not an --adapter or --hf model")
         if self.resume and self.force:
             raise InputError("--resume and --force contradict each other: pick one")
         deepest = max((*self.update_depths, *self.serving_depths), default=0)
@@ -314,7 +320,8 @@ def run_entries(config: DiagnoseConfig) -> list[Entry]:
         return [_adapter_entry(config)]
     if config.hf is not None:
         return [_hf_entry(config)]
-    folders = [path for path in config.snapshots if Path(path).is_dir()]
+    # A sharded checkpoint (step_XXXXXX.dcp/) is a folder too, read like a checkpoint file.
+    folders = [path for path in config.snapshots if Path(path).is_dir() and not is_checkpoint_folder(path)]
     if folders and len(folders) < len(config.snapshots):
         raise InputError(
             f"{folders[0]}: a snapshot folder, among snapshot files; diagnose snapshot files or snapshot folders"
@@ -335,7 +342,8 @@ def run_entries(config: DiagnoseConfig) -> list[Entry]:
 def _file_entries(config: DiagnoseConfig) -> list[Entry]:
     entries, first = [], None
     for path in config.snapshots:
-        snap = load_snapshot(path)
+        # A sharded run reads a sharded checkpoint's shards on its ranks, never whole here.
+        snap = load_snapshot(path, shards=not (config.sharded and is_checkpoint_folder(path)))
         if first is None:
             first = snap
         elif snap.config.model != first.config.model:

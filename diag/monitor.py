@@ -56,6 +56,7 @@ from diag.evalset import evaluation_set, resolve_eval_set
 from diag.families import ModelFamily
 from trainer.config import RunConfig
 from trainer.data import TokenSource, build_source
+from trainer.distributed import is_sharded
 from trainer.optim import OPTIMIZER_CLASSES, lr_at
 from trainer.rng import process_rng_state, seeded_generator, set_process_rng_state
 from trainer.run_dir import MONITOR_FILE
@@ -132,7 +133,9 @@ class DepthMonitor:
     diagnostic on clones of the model and the optimizer with the monitor's own batches
     (`batches(step, i)`, supplied by the caller) inside a guard that restores every process
     RNG, the grad mode and autocast, so the training that follows is the training without
-    the monitor, to the bit. Under torchrun only rank 0 checks; the others return at once.
+    the monitor, to the bit. Under torchrun only rank 0 checks and the others return at once,
+    unless the model is sharded with FSDP2: then every rank runs the check together
+    (diag/sharded.py) and rank 0 writes.
     The whole (small) file is rewritten atomically after each check.
 
     Resume: `resume(step)` (or `start_step` at construction) keeps the checks of the file
@@ -299,8 +302,9 @@ class DepthMonitor:
         self._write()
 
     def after_update(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Check the model and optimizer after `step` updates when the step is due (rank 0 only)."""
-        if not self.due(step) or not main_process():
+        """Check the model and optimizer after `step` updates when the step is due: on rank 0
+        alone, or for an FSDP2-sharded model on every rank together (rank 0 writes)."""
+        if not self.due(step) or not (main_process() or is_sharded(model)):
             return
         if not self._resumed:
             self.resume(0)
@@ -308,8 +312,10 @@ class DepthMonitor:
             self._attrs["optimizer"] = type(optimizer).__name__
         device = next(model.parameters()).device
         with untouched_process_state(device):
-            self._checks.append(self.check(step, model, optimizer))
-        self._write()
+            check = self.check(step, model, optimizer)
+        if main_process():
+            self._checks.append(check)
+            self._write()
 
     def close(self) -> None:
         self._checks, self._attrs, self._resumed = [], {}, False
@@ -331,7 +337,10 @@ class DepthMonitor:
         """The diagnostic of the model and optimizer after `step` updates: a Dataset with a
         `step` dimension of length 1. Leaves the model and optimizer as they were."""
         eval_tokens, eval_mask = self.evaluation
-        diagnostic = UpdateDiagnostic(model, optimizer, eval_tokens, self.options(step), eval_mask=eval_mask)
+        kind = UpdateDiagnostic
+        if is_sharded(model):
+            from diag.sharded import ShardedUpdateDiagnostic as kind  # FSDP2's imports, for sharded runs only
+        diagnostic = kind(model, optimizer, eval_tokens, self.options(step), eval_mask=eval_mask)
         units = [diagnostic.compare(batch) for batch in self.batches(step)]
         stacked = xr.concat([unit[[n for n in PER_BATCH if n in unit]] for unit in units], dim="batch")
         stacked = stacked.assign_coords(batch=np.arange(len(units), dtype=np.int64))

@@ -14,7 +14,8 @@ the direction of g, computed with `torch.func.jvp` of an out-of-place
 transcription of the same update rule (Adam, AdamW and SGD only).
 
 Tensors are handled as flat lists in the optimizer's order: every parameter
-of every param group, group by group.
+of every param group, group by group. For an FSDP2-sharded model (DTensor
+parameters and state) every tensor is this process's local shard.
 """
 
 from __future__ import annotations
@@ -29,14 +30,18 @@ from torch.optim.adam import adam as adam_kernel
 from torch.optim.sgd import sgd as sgd_kernel
 
 from common.errors import InputError
+from trainer.distributed import local_part
 
 
 def _as_float(value) -> float:
     return float(value.item()) if torch.is_tensor(value) else float(value)
 
 
-def _fp32_clone(t: Tensor) -> Tensor:
-    return t.detach().to(dtype=torch.float32, copy=True) if t.is_floating_point() else t.detach().clone()
+def fp32_clone(t: Tensor) -> Tensor:
+    """An fp32 copy of `t`, of its local shard when `t` is sharded: the step is elementwise, so
+    each process steps its own shard and the shards together are the unsharded step to the bit."""
+    t = local_part(t).detach()
+    return t.to(dtype=torch.float32, copy=True) if t.is_floating_point() else t.clone()
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,7 @@ class OptimizerStep:
     def __init__(self, optimizer: torch.optim.Optimizer, lr: float | None):
         self.params: list[Tensor] = [p for group in optimizer.param_groups for p in group["params"]]
         """The real parameters, in flat order (read only)."""
-        self.theta: list[Tensor] = [_fp32_clone(p) for p in self.params]
+        self.theta: list[Tensor] = [fp32_clone(p) for p in self.params]
         """fp32 clones of the parameters at construction."""
         self.groups: list[_Group] = []
         start = 0
@@ -76,6 +81,24 @@ class OptimizerStep:
 
     def delta(self, grads: Sequence[Tensor]) -> list[Tensor]:
         """Delta(g): the step's change of every parameter (fp32, flat order)."""
+        grads = self._check(grads)
+        return [self._parameter_delta(i, grads[i], g.hyper) for g in self.groups for i in range(g.start, g.stop)]
+
+    def counterfactual(self, grads: Sequence[Tensor]) -> list[Tensor]:
+        """Delta(g) - Delta(0), parameter by parameter: besides the result, only one
+        parameter's clones are alive at a time (the whole-model Delta(0) is never held)."""
+        grads = self._check(grads)
+        return [
+            self._parameter_delta(i, grads[i], g.hyper).sub_(
+                self._parameter_delta(i, torch.zeros_like(grads[i]), g.hyper)
+            )
+            for g in self.groups
+            for i in range(g.start, g.stop)
+        ]
+
+    def _parameter_delta(self, i: int, grad: Tensor, hyper: dict) -> Tensor:
+        """Delta of parameter i alone with gradient `grad` (its group's settings `hyper`). The
+        kernels step every parameter independently, so one at a time is the step to the bit."""
         raise NotImplementedError
 
     def linear(self, direction: Sequence[Tensor]) -> list[Tensor]:
@@ -120,7 +143,7 @@ class AdamStep(OptimizerStep):
     @staticmethod
     def _initial_state(state: dict, theta: Tensor, hyper: dict) -> dict[str, Tensor]:
         if state:
-            return {k: (v.detach().clone() if k == "step" else _fp32_clone(v)) for k, v in state.items()}
+            return {k: (local_part(v).detach().clone() if k == "step" else fp32_clone(v)) for k, v in state.items()}
         # torch's lazy initialisation (Adam._init_group): step on the CPU unless capturable/fused.
         on_device = hyper.get("capturable") or hyper.get("fused")
         fresh = {
@@ -132,36 +155,31 @@ class AdamStep(OptimizerStep):
             fresh["max_exp_avg_sq"] = torch.zeros_like(theta)
         return fresh
 
-    def delta(self, grads: Sequence[Tensor]) -> list[Tensor]:
-        grads = self._check(grads)
-        out: list[Tensor] = []
-        for g in self.groups:
-            params = [t.clone() for t in self.theta[g.start : g.stop]]
-            states = [{k: v.clone() for k, v in s.items()} for s in self.state[g.start : g.stop]]
-            h = g.hyper
-            beta1, beta2 = h["betas"]
-            adam_kernel(
-                params,
-                grads[g.start : g.stop],
-                [s["exp_avg"] for s in states],
-                [s["exp_avg_sq"] for s in states],
-                [s["max_exp_avg_sq"] for s in states] if h.get("amsgrad") else [],
-                [s["step"] for s in states],
-                foreach=h.get("foreach"),
-                capturable=h.get("capturable", False),
-                differentiable=False,
-                fused=h.get("fused"),
-                decoupled_weight_decay=h.get("decoupled_weight_decay", False),
-                amsgrad=h.get("amsgrad", False),
-                beta1=beta1,
-                beta2=beta2,
-                lr=h["lr"],
-                weight_decay=h["weight_decay"],
-                eps=h["eps"],
-                maximize=h.get("maximize", False),
-            )
-            out.extend(p.sub_(t) for p, t in zip(params, self.theta[g.start : g.stop]))
-        return out
+    def _parameter_delta(self, i: int, grad: Tensor, hyper: dict) -> Tensor:
+        param = self.theta[i].clone()
+        state = {k: v.clone() for k, v in self.state[i].items()}
+        beta1, beta2 = hyper["betas"]
+        adam_kernel(
+            [param],
+            [grad],
+            [state["exp_avg"]],
+            [state["exp_avg_sq"]],
+            [state["max_exp_avg_sq"]] if hyper.get("amsgrad") else [],
+            [state["step"]],
+            foreach=hyper.get("foreach"),
+            capturable=hyper.get("capturable", False),
+            differentiable=False,
+            fused=hyper.get("fused"),
+            decoupled_weight_decay=hyper.get("decoupled_weight_decay", False),
+            amsgrad=hyper.get("amsgrad", False),
+            beta1=beta1,
+            beta2=beta2,
+            lr=hyper["lr"],
+            weight_decay=hyper["weight_decay"],
+            eps=hyper["eps"],
+            maximize=hyper.get("maximize", False),
+        )
+        return param.sub_(self.theta[i])
 
     def linear(self, direction: Sequence[Tensor]) -> list[Tensor]:
         return self._jvp_at_zero(
@@ -209,32 +227,25 @@ class SGDStep(OptimizerStep):
         self.buffers: list[Tensor | None] = []
         for p in self.params:
             buf = optimizer.state.get(p, {}).get("momentum_buffer")
-            self.buffers.append(None if buf is None else _fp32_clone(buf))
+            self.buffers.append(None if buf is None else fp32_clone(buf))
 
-    def delta(self, grads: Sequence[Tensor]) -> list[Tensor]:
-        grads = self._check(grads)
-        out: list[Tensor] = []
-        for g in self.groups:
-            params = [t.clone() for t in self.theta[g.start : g.stop]]
-            h = g.hyper
-            buffers = (
-                [None if b is None else b.clone() for b in self.buffers[g.start : g.stop]] if h["momentum"] != 0 else []
-            )
-            sgd_kernel(
-                params,
-                grads[g.start : g.stop],
-                buffers,
-                foreach=h.get("foreach"),
-                fused=h.get("fused"),
-                weight_decay=h["weight_decay"],
-                momentum=h["momentum"],
-                lr=h["lr"],
-                dampening=h["dampening"],
-                nesterov=h["nesterov"],
-                maximize=h.get("maximize", False),
-            )
-            out.extend(p.sub_(t) for p, t in zip(params, self.theta[g.start : g.stop]))
-        return out
+    def _parameter_delta(self, i: int, grad: Tensor, hyper: dict) -> Tensor:
+        param = self.theta[i].clone()
+        buffer = self.buffers[i]
+        sgd_kernel(
+            [param],
+            [grad],
+            [None if buffer is None else buffer.clone()] if hyper["momentum"] != 0 else [],
+            foreach=hyper.get("foreach"),
+            fused=hyper.get("fused"),
+            weight_decay=hyper["weight_decay"],
+            momentum=hyper["momentum"],
+            lr=hyper["lr"],
+            dampening=hyper["dampening"],
+            nesterov=hyper["nesterov"],
+            maximize=hyper.get("maximize", False),
+        )
+        return param.sub_(self.theta[i])
 
     def linear(self, direction: Sequence[Tensor]) -> list[Tensor]:
         return self._jvp_at_zero(
@@ -276,6 +287,11 @@ class DeepCopyStep(OptimizerStep):
             p.grad = g.clone()
         stepped.step()
         return [p.detach().sub(t) for p, t in zip(params, self.theta)]
+
+    def counterfactual(self, grads: Sequence[Tensor]) -> list[Tensor]:
+        """Delta(g) - Delta(0) of the whole step: a copied optimizer steps every parameter at once."""
+        delta0 = self.delta([torch.zeros_like(t) for t in self.theta])
+        return [d.sub_(d0) for d, d0 in zip(self.delta(grads), delta0)]
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, lr: float | None = None) -> OptimizerStep:

@@ -67,7 +67,7 @@ from diag.engine import UpdateDiagnostic, bias_correction_message
 from diag.entries import DiagnoseConfig, Entry, adapted_diagnostic, load_folder, run_entries, snapshot_options
 from diag.evalset import evaluation_set
 from diag.snapshot_loading import read_snapshot_folder
-from trainer.checkpoint import Snapshot, load_snapshot
+from trainer.checkpoint import Snapshot, is_checkpoint_folder, load_snapshot
 from trainer.data import build_source
 from trainer.distributed import World, init_world, resolve_device, shutdown_world
 
@@ -81,15 +81,18 @@ MUST_BE_FINITE = {"nll": "NLL", "nll_before": "NLL before the update", "train_lo
 RMS scales may be NaN for a zero update), with the words an error uses for them."""
 
 
-def _manifest(config: DiagnoseConfig, entries: list[Entry], device: torch.device) -> dict:
+def _manifest(config: DiagnoseConfig, entries: list[Entry], device: torch.device, world_size: int = 1) -> dict:
     """Everything that determines the results, to the last bit: a resumed run must agree
-    on all of it (the device too, as kernels differ in their rounding)."""
+    on all of it (the device too, as kernels differ in their rounding, and for a sharded run
+    the number of ranks, over which its sums are split)."""
     settings = {
         k: v
         for k, v in asdict(config).items()
         if k in ("update_depths", "serving_depths", "isolate", "rms_match", "lr", "eval_batch_size", "eval_set")
     }
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
+    if config.sharded:
+        settings["sharded_over"] = world_size
     return {
         "settings": settings,
         "device": device.type,
@@ -248,8 +251,8 @@ def _finished_manifest(out: Path) -> dict | None:
         return None
 
 
-def _load_again(entry: Entry) -> Snapshot:
-    snap = load_snapshot(entry.path)
+def _load_again(entry: Entry, *, shards: bool = True) -> Snapshot:
+    snap = load_snapshot(entry.path, shards=shards)
     if snap.sha256 != entry.sha256:
         raise InputError(f"{entry.path}: the file changed while the run was going")
     return snap
@@ -431,6 +434,11 @@ def diagnose(config: DiagnoseConfig) -> Path:
     (WORLD_SIZE > 1) every rank calls this and the units are spread over them."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return _diagnose_across_ranks(config)
+    if config.sharded:
+        raise InputError(
+            "--sharded shards the model over torchrun's ranks: run the command under torchrun with "
+            "--nproc_per_node=2 or more (docs/scaling.md)"
+        )
     out = Path(config.out)
     parts = out.with_name(out.name + ".parts")
     refuse_inputs(out, config.snapshots)
@@ -468,7 +476,11 @@ def diagnose(config: DiagnoseConfig) -> Path:
 
 def _diagnose_across_ranks(config: DiagnoseConfig) -> Path:
     """`diagnose` on this rank of torchrun's process group (see the comment above)."""
-    if config.adapter is not None or config.hf is not None or any(Path(p).is_dir() for p in config.snapshots):
+    if (
+        config.adapter is not None
+        or config.hf is not None
+        or any(Path(p).is_dir() and not is_checkpoint_folder(p) for p in config.snapshots)
+    ):
         given = "--adapter" if config.adapter else "--hf" if config.hf else "snapshot folders"
         raise InputError(
             f"{given}: under torchrun only snapshot or checkpoint files are spread over the ranks; "
@@ -483,15 +495,16 @@ def _diagnose_across_ranks(config: DiagnoseConfig) -> Path:
         )
     out = Path(config.out)
     parts = out.with_name(out.name + ".parts")
-    # gloo even on CUDA: the group only carries small CPU objects, never tensors of the models.
-    world = init_world(config.device, backend="gloo")
+    # Spread units: gloo even on CUDA, as the group only carries small CPU objects, never
+    # tensors of the models. Sharded: the device's own backend carries the model's shards.
+    world = init_world(config.device, backend=None if config.sharded else "gloo")
     try:
         entries, manifest, error = None, None, None
         try:
             refuse_inputs(out, config.snapshots)
             entries = run_entries(config)
             config = replace(config, eval_set=entries[0].eval_set)
-            manifest = _manifest(config, entries, world.device)
+            manifest = _manifest(config, entries, world.device, world.world_size)
         except (InputError, OSError) as err:
             error = err
         _agree(world, out, error, manifest)
@@ -511,7 +524,10 @@ def _diagnose_across_ranks(config: DiagnoseConfig) -> Path:
             todo = _on_main(world, prepare)
             if todo is None:
                 return out
-            _run_share(config, entries, parts, world, todo)
+            if config.sharded:
+                _run_sharded(config, entries, parts, world, todo)
+            else:
+                _run_share(config, entries, parts, world, todo)
 
             def assemble() -> None:
                 write_dataset(_assemble(config, entries, manifest, parts), out)
@@ -619,6 +635,65 @@ def _run_share(
             failed = sorted((s for s in statuses if isinstance(s, tuple)), key=lambda s: s[1])
             if failed:
                 _stop(world, entries, parts, failed[0], failure)
+
+
+def _run_sharded(
+    config: DiagnoseConfig, entries: list[Entry], parts: Path, world: World, todo: list[tuple[str, int]]
+) -> None:
+    """Compute every unit of `todo` with all ranks together, each snapshot's model and
+    optimizer state sharded over them (diag/sharded.py); rank 0 writes the unit files. Every
+    rank computes the same reduced numbers, so a non-finite unit or a bad input stops all of
+    them at the same unit; an error on one rank alone (its file system) stops the others at
+    the next unit's check."""
+    by_name = {e.name: e for e in entries}
+    total = sum(e.batches for e in entries)
+    opened, diagnostic, batches = None, None, None
+    enabled = config.progress and world.is_main
+    with progress_bar(total, f"diagnose {config.out}", "unit", initial=total - len(todo), enabled=enabled) as bar:
+        for name, i in todo:
+            entry = by_name[name]
+            status, failure = None, None
+            try:
+                if opened != name:
+                    diagnostic = batches = None  # one model in memory at a time
+                    indices = [b for n, b in todo if n == name]
+                    diagnostic, optimizer, batches = _open_sharded(config, entry, world, indices)
+                    opened = name
+                    warning = bias_correction_message(optimizer)
+                    if warning and world.is_main:
+                        bar.write(f"warning: {entry.path}: {warning}")
+                    del optimizer
+                bar.set_postfix_str(f"{name} batch {i}")
+                _, batch = next(batches)
+                unit = diagnostic.compare(batch)
+                problem = _non_finite(unit)
+                if problem is not None:
+                    status = ("diverged", 0, name, i, problem)
+                elif world.is_main:
+                    write_dataset(unit.expand_dims(snapshot=[name], batch=[i]), _part_path(parts, name, i))
+            except (InputError, OSError) as err:
+                failure = err
+                status = ("error", world.rank, _error_line(err))
+            statuses = _gather(world, status)
+            failed = [s for s in statuses if s is not None]
+            if failed:
+                _stop(world, entries, parts, failed[0], failure)
+            bar.update(1)
+
+
+def _open_sharded(
+    config: DiagnoseConfig, entry: Entry, world: World, indices: list[int]
+) -> tuple[UpdateDiagnostic, torch.optim.Optimizer, Iterator[tuple[int, torch.Tensor]]]:
+    """`_open` for the sharded diagnostic: the snapshot's model and optimizer sharded over the ranks."""
+    from diag.sharded import ShardedUpdateDiagnostic, sharded_snapshot
+
+    # A sharded checkpoint's shards go straight into the sharded model, never whole on a rank.
+    snap = _load_again(entry, shards=not is_checkpoint_folder(entry.path))
+    model, optimizer = sharded_snapshot(snap, world)
+    eval_tokens, eval_mask = _evaluation_set(config, snap)
+    options = snapshot_options(config, snap)
+    diagnostic = ShardedUpdateDiagnostic(model, optimizer, eval_tokens, options, eval_mask=eval_mask)
+    return diagnostic, optimizer, _batches(snap, indices)
 
 
 def _stop(world: World, entries: list[Entry], parts: Path, first: tuple, failure: BaseException | None) -> None:

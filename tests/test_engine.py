@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import xarray as xr
 
 import diag
+from common.choices import RMS_MATCH_CHOICES
 from common.errors import InputError
 from diag.engine import (
     BiasCorrectionWarning,
@@ -732,6 +733,22 @@ def test_compare_updates_warns_while_adams_bias_correction_dominates():
 # --- the pure arithmetic against hand computation ---------------------------------------------
 
 
+@pytest.mark.parametrize("rms_match", RMS_MATCH_CHOICES)
+def test_streaming_compare_equals_every_update_held_and_matched_at_once(rms_match):
+    """compare() evaluates and frees each update as soon as its scale is known; the result is the
+    one of holding every update, scaling them all with match_rms and evaluating them, to the bit."""
+    model, opt = adamw_setup()
+    options = DiagnosticOptions(update_depths=(1, 3, 5), serving_depths=(1, 4), rms_match=rms_match)
+    diagnostic = UpdateDiagnostic(model, opt, tokens(6, 2), options)
+    batch = tokens(4, 3)
+    ds = diagnostic.compare(batch)
+    updates = [diagnostic.update(diagnostic.gradient(batch, depth)[1]) for depth in options.update_depths]
+    matched, scales = match_rms(updates, rms_match)
+    assert ds.rms_scale.values.tolist() == scales
+    assert ds.update_cosine.item() == global_cosine(updates[0], updates[-1])
+    np.testing.assert_array_equal(ds.nll.values, np.stack([diagnostic.evaluate(u) for u in matched]))
+
+
 def test_match_rms_modes_against_hand_computation():
     # u0: RMS sqrt((4 * 0.1^2 + 12 * 0.3^2) / 16) = sqrt(0.07), per tensor 0.1 and 0.3; u1: RMS 0.1, its
     # second tensor zero; u2 exactly zero. Every update also holds an empty tensor. RMSs below one on purpose.
@@ -1085,7 +1102,8 @@ class Recording(nn.Module):
 def test_forwards_run_in_their_modes_and_evaluation_chunks_of_32_rows_by_default():
     """The probe: one evaluation chunk's shape at the shallowest and the deepest depth, eval mode.
     Gradients: training mode. Evaluations: eval mode, chunks of 32 rows (the default), with the
-    counted targets read once, not per evaluation."""
+    counted targets read once, not per evaluation; each update is evaluated right after its
+    gradient (streaming), theta itself last."""
     model = Recording(tiny_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     eval_tokens = tokens(33, 2)
@@ -1095,14 +1113,13 @@ def test_forwards_run_in_their_modes_and_evaluation_chunks_of_32_rows_by_default
     assert model.calls == [((32, SEQ), False)] * 2
     model.calls.clear()
     ds = diagnostic.compare(tokens(4, 1))
-    assert model.calls == [((4, SEQ), True)] * 2 + [((32, SEQ), False), ((1, SEQ), False)] * 3
+    gradient, evaluation = [((4, SEQ), True)], [((32, SEQ), False), ((1, SEQ), False)]
+    assert model.calls == (gradient + evaluation) * 2 + evaluation
     model.calls.clear()
     one_shot = diag.compare_updates(
         model, optimizer, tokens(4, 1), eval_tokens, update_depths=(1, 2), serving_depths=(1,)
     )
-    assert (
-        model.calls == [((32, SEQ), False)] * 2 + [((4, SEQ), True)] * 2 + [((32, SEQ), False), ((1, SEQ), False)] * 3
-    )
+    assert model.calls == [((32, SEQ), False)] * 2 + (gradient + evaluation) * 2 + evaluation
     assert model.training and ds.sizes == one_shot.sizes == {"update_depth": 2, "serving_depth": 1}
 
 

@@ -8,8 +8,10 @@ import random
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import xarray as xr
 from helpers import DDP_CONFIG, read_metrics, run_depthdiag, torchrun_train, without_wall_time
 
 from common.errors import InputError
@@ -226,3 +228,20 @@ def test_fsdp_compiles_its_blocks(tmp_path):
     train(eager, tmp_path / "eager", progress=False)
     assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "eager"), rel=1e-5)
 
+
+def test_a_sharded_checkpoint_is_diagnosed_whole_and_shard_by_shard(runs, tmp_path):
+    """`diagnose` of the fsdp run's step_000050.dcp/ in one process (the shards gathered into a
+    plain model) and at 2 ranks with --sharded (each rank loading only its shards): the same
+    numbers within 1e-6; the run's .pt snapshot too."""
+    checkpoint = runs["fsdp"] / "checkpoints" / "step_000050.dcp"
+    snapshot = next((runs["fsdp"] / "snapshots").glob("*.pt"))
+    args = ["--batches", "2", "--update-depths", "1,4", "--serving", "1-3", "--no-progress"]
+    for source in (checkpoint, snapshot):
+        whole, sharded = tmp_path / f"{source.stem}-whole.h5", tmp_path / f"{source.stem}-sharded.h5"
+        result = run_depthdiag("diagnose", source, *args, "--out", whole)
+        assert result.returncode == 0, result.stderr[-3000:]
+        result = run_depthdiag("diagnose", source, *args, "--out", sharded, "--sharded", ranks=2)
+        assert result.returncode == 0, result.stderr[-3000:]
+        with xr.open_dataset(whole, engine="h5netcdf") as one, xr.open_dataset(sharded, engine="h5netcdf") as two:
+            for name in one.data_vars:
+                np.testing.assert_allclose(two[name].values, one[name].values, rtol=1e-6, atol=1e-6, err_msg=name)

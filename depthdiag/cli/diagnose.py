@@ -104,6 +104,12 @@ def _diagnose_kept(out: str, **_) -> str:
     is_flag=True,
     help="Discard an unfinished run or an existing OUT and start over (never a live run's: it holds OUT's lock).",
 )
+@click.option(
+    "--sharded",
+    is_flag=True,
+    help="Under torchrun: shard each snapshot's model and optimizer state over the ranks (FSDP2) and compute "
+    "every unit with all of them, for a model that does not fit one device.",
+)
 @no_progress_option
 @reports_errors(kept=_diagnose_kept)
 @hf_input_options(training=True, snapshot_folders=True)
@@ -124,6 +130,7 @@ def diagnose(
     eval_set: str,
     resume: bool,
     force: bool,
+    sharded: bool,
     no_progress: bool,
     hf,
     trust_remote_code: bool,
@@ -144,6 +151,8 @@ def diagnose(
     Under torchrun the units of snapshot or checkpoint files are spread over the ranks (one
     device each), into the same OUT a single process writes:
       torchrun --nproc_per_node=4 -m depthdiag diagnose runs/tiny/seed0/snapshots/*.pt --out r.h5
+    With --sharded every unit runs on all ranks together, the model sharded over them; the
+    numbers equal one process's within float rounding (docs/scaling.md).
     """
     from common.depths import parse_serving_depths, parse_update_depths
     from diag.adapter import parse_adapter_args
@@ -167,6 +176,7 @@ def diagnose(
         device=device,
         resume=resume,
         force=force,
+        sharded=sharded,
         max_depth=max_depth,
         progress=not no_progress,
         trust_remote_code=trust_remote_code,
