@@ -19,7 +19,7 @@ from diag.evalset import resolve_eval_set
 from diag.hf import DEFAULT_BATCHES as DEFAULT_HF_BATCHES
 from diag.hf import HfInput, hf_adapted_model, hf_config_json
 from diag.snapshot_loading import SnapshotFolder, read_snapshot_folder
-from trainer.checkpoint import Snapshot, is_checkpoint_folder, load_snapshot
+from trainer.checkpoint import Snapshot, is_sharded_folder, load_snapshot
 from trainer.distributed import resolve_device
 
 
@@ -320,8 +320,8 @@ def run_entries(config: DiagnoseConfig) -> list[Entry]:
         return [_adapter_entry(config)]
     if config.hf is not None:
         return [_hf_entry(config)]
-    # A sharded checkpoint (step_XXXXXX.dcp/) is a folder too, read like a checkpoint file.
-    folders = [path for path in config.snapshots if Path(path).is_dir() and not is_checkpoint_folder(path)]
+    # A sharded checkpoint or snapshot (NAME.dcp/) is a folder too, read like a file.
+    folders = [path for path in config.snapshots if Path(path).is_dir() and not is_sharded_folder(path)]
     if folders and len(folders) < len(config.snapshots):
         raise InputError(
             f"{folders[0]}: a snapshot folder, among snapshot files; diagnose snapshot files or snapshot folders"
@@ -342,8 +342,8 @@ def run_entries(config: DiagnoseConfig) -> list[Entry]:
 def _file_entries(config: DiagnoseConfig) -> list[Entry]:
     entries, first = [], None
     for path in config.snapshots:
-        # A sharded run reads a sharded checkpoint's shards on its ranks, never whole here.
-        snap = load_snapshot(path, shards=not (config.sharded and is_checkpoint_folder(path)))
+        # A sharded run reads a sharded folder's shards on its ranks, never whole here.
+        snap = load_snapshot(path, shards=not (config.sharded and is_sharded_folder(path)))
         if first is None:
             first = snap
         elif snap.config.model != first.config.model:

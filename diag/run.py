@@ -67,7 +67,7 @@ from diag.engine import UpdateDiagnostic, bias_correction_message
 from diag.entries import DiagnoseConfig, Entry, adapted_diagnostic, load_folder, run_entries, snapshot_options
 from diag.evalset import evaluation_set
 from diag.snapshot_loading import read_snapshot_folder
-from trainer.checkpoint import Snapshot, is_checkpoint_folder, load_snapshot
+from trainer.checkpoint import Snapshot, is_sharded_folder, load_snapshot
 from trainer.data import build_source
 from trainer.distributed import World, init_world, resolve_device, shutdown_world
 
@@ -479,7 +479,7 @@ def _diagnose_across_ranks(config: DiagnoseConfig) -> Path:
     if (
         config.adapter is not None
         or config.hf is not None
-        or any(Path(p).is_dir() and not is_checkpoint_folder(p) for p in config.snapshots)
+        or any(Path(p).is_dir() and not is_sharded_folder(p) for p in config.snapshots)
     ):
         given = "--adapter" if config.adapter else "--hf" if config.hf else "snapshot folders"
         raise InputError(
@@ -687,8 +687,8 @@ def _open_sharded(
     """`_open` for the sharded diagnostic: the snapshot's model and optimizer sharded over the ranks."""
     from diag.sharded import ShardedUpdateDiagnostic, sharded_snapshot
 
-    # A sharded checkpoint's shards go straight into the sharded model, never whole on a rank.
-    snap = _load_again(entry, shards=not is_checkpoint_folder(entry.path))
+    # A sharded folder's shards go straight into the sharded model, never whole on a rank.
+    snap = _load_again(entry, shards=not is_sharded_folder(entry.path))
     model, optimizer = sharded_snapshot(snap, world)
     eval_tokens, eval_mask = _evaluation_set(config, snap)
     options = snapshot_options(config, snap)

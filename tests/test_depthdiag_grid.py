@@ -204,14 +204,17 @@ train._Run._write_checkpoint = write_checkpoint_and_hold
 """
 
 
-def test_a_killed_grid_resumes_its_interrupted_cell_bit_exactly_and_skips_finished_ones(folder):
-    text = (
-        '[set]\n"train.checkpoint_every" = 10\n[axes]\n'
-        'schedule = { short = "fixed:2", long = { schedule = "fixed:2", "train.updates" = 300 } }\n'
-    )
-    grid = write_grid(folder, text)
-    runs = folder / "runs"
-    long_dir = runs / "schedule=long"
+KILLED_GRID = (
+    '[set]\n"train.checkpoint_every" = 10\n[axes]\n'
+    'schedule = { short = "fixed:2", long = { schedule = "fixed:2", "train.updates" = 300 } }\n'
+)
+"""Two cells: `short` finishes, `long` (300 updates) is stopped by `grid_stopped_after_a_checkpoint`."""
+
+
+def grid_stopped_after_a_checkpoint(folder: Path, grid: Path, runs: Path, *options: str) -> int:
+    """`depthdiag grid run GRID --runs RUNS OPTIONS` stopped with SIGTERM once its long cell
+    has written its first checkpoint (after 10 updates, HOLD_AFTER_CHECKPOINT holding it
+    there); returns the grid command's exit status."""
     hook = folder / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(HOLD_AFTER_CHECKPOINT, encoding="utf-8")
@@ -221,9 +224,10 @@ def test_a_killed_grid_resumes_its_interrupted_cell_bit_exactly_and_skips_finish
     # never waits, and the read end sees data only once the cell has written.
     checkpointed = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
     path = os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, HOLD_RUN=str(long_dir), HOLD_FIFO=str(fifo))
+    hold = str(runs / "schedule=long")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, HOLD_RUN=hold, HOLD_FIFO=str(fifo))
     command = [sys.executable, "-m", "depthdiag", "grid", "run", str(grid), "--runs", str(runs), "--no-progress"]
-    process = subprocess.Popen(command, cwd=folder, env=env)
+    process = subprocess.Popen([*command, *options], cwd=folder, env=env)
     exited = os.pidfd_open(process.pid)  # readable once the grid has ended: a grid that fails is not waited out
     try:
         ready, _, _ = select.select([checkpointed, exited], [], [], 300)
@@ -236,7 +240,15 @@ def test_a_killed_grid_resumes_its_interrupted_cell_bit_exactly_and_skips_finish
         os.close(exited)
         os.close(checkpointed)
     assert written == b"1", "the long cell never wrote a checkpoint"
-    assert process.returncode == 143  # SIGTERM, as documented
+    return process.returncode
+
+
+@pytest.mark.slow  # trains the long cell twice, about a minute on 2 cores
+def test_a_killed_grid_resumes_its_interrupted_cell_bit_exactly_and_skips_finished_ones(folder):
+    grid = write_grid(folder, KILLED_GRID)
+    runs = folder / "runs"
+    long_dir = runs / "schedule=long"
+    assert grid_stopped_after_a_checkpoint(folder, grid, runs) == 143  # SIGTERM, as documented
     spec = load_grid(grid)
     short, long = grid_cells(spec)
     assert cell_state(short, runs) == "finished"

@@ -90,15 +90,39 @@ def test_fsdp_checkpoints_are_dcp_folders_a_plain_process_reads(runs):
     assert_close_states(sharded, single)
 
 
-def test_fsdp_snapshots_are_the_one_process_files(runs):
-    for name in ("u0000_step000025.pt", "u0002_step000027.pt"):
-        sharded = load_snapshot(runs["fsdp"] / "snapshots" / name, kind="snapshot")
-        single = load_snapshot(runs["single"] / "snapshots" / name, kind="snapshot")
+def test_fsdp_snapshots_are_sharded_folders_a_plain_process_reads_as_the_one_process_files(runs):
+    names = ["u0000_step000025", "u0002_step000027"]
+    assert sorted(p.name for p in (runs["fsdp"] / "snapshots").iterdir()) == [f"{n}.dcp" for n in names]
+    for name in names:
+        sharded = load_snapshot(runs["fsdp"] / "snapshots" / f"{name}.dcp", kind="snapshot")
+        single = load_snapshot(runs["single"] / "snapshots" / f"{name}.pt", kind="snapshot")
+        assert (sharded.step, sharded.uniform_updates, sharded.lr) == (single.step, single.uniform_updates, single.lr)
         assert torch.equal(sharded.batches, single.batches)
         assert_close_states(sharded, single)
         # The gathered optimizer state loads into a plain optimizer and takes its next step.
         model = sharded.model()
         sharded.optimizer(model)
+        with pytest.raises(InputError, match="a snapshot, not a checkpoint"):
+            load_snapshot(runs["fsdp"] / "snapshots" / f"{name}.dcp", kind="checkpoint")
+
+
+def test_a_snapshot_before_the_first_update_is_sharded_without_an_optimizer_step(tmp_path):
+    """A switch at step 0 snapshots a fresh optimizer: gathering its state would create it with
+    a zero-LR step (AdamW's first, changing the training); the folder holds the model's shards
+    and the stateless optimizer, and the run is the one process's."""
+    config_path = fsdp_config(tmp_path)
+    text = config_path.read_text().replace("switch=0.5", "switch=0").replace("updates = 50", "updates = 6")
+    config_path.write_text(
+        text.replace("checkpoint_every = 25", "checkpoint_every = 6").replace("eval_every = 25", "eval_every = 0")
+    )
+    result = torchrun_train(config_path, tmp_path / "fsdp")
+    assert result.returncode == 0, result.stderr[-3000:]
+    train(load_config(config_path), tmp_path / "single", progress=False)
+    assert losses(tmp_path / "fsdp") == pytest.approx(losses(tmp_path / "single"), rel=1e-5)
+    snapshot = load_snapshot(tmp_path / "fsdp" / "snapshots" / "u0000_step000000.dcp", kind="snapshot")
+    assert snapshot.optimizer_state["state"] == {}
+    single = load_snapshot(tmp_path / "single" / "snapshots" / "u0000_step000000.pt", kind="snapshot")
+    assert all(torch.equal(snapshot.model_state[k], v) for k, v in single.model_state.items())
 
 
 def assert_close_states(a, b) -> None:
@@ -230,11 +254,11 @@ def test_fsdp_compiles_its_blocks(tmp_path):
 
 
 def test_a_sharded_checkpoint_is_diagnosed_whole_and_shard_by_shard(runs, tmp_path):
-    """`diagnose` of the fsdp run's step_000050.dcp/ in one process (the shards gathered into a
-    plain model) and at 2 ranks with --sharded (each rank loading only its shards): the same
-    numbers within 1e-6; the run's .pt snapshot too."""
+    """`diagnose` of the fsdp run's step_000050.dcp/ and of a snapshot folder in one process
+    (the shards gathered into a plain model) and at 2 ranks with --sharded (each rank loading
+    only its shards): the same numbers within 1e-6."""
     checkpoint = runs["fsdp"] / "checkpoints" / "step_000050.dcp"
-    snapshot = next((runs["fsdp"] / "snapshots").glob("*.pt"))
+    snapshot = runs["fsdp"] / "snapshots" / "u0002_step000027.dcp"
     args = ["--batches", "2", "--update-depths", "1,4", "--serving", "1-3", "--no-progress"]
     for source in (checkpoint, snapshot):
         whole, sharded = tmp_path / f"{source.stem}-whole.h5", tmp_path / f"{source.stem}-sharded.h5"

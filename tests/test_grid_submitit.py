@@ -3,6 +3,7 @@ local executor, which runs the Slurm path's jobs as processes of this machine: t
 and results as the local runner, a failed cell named with its exit status and log, and a rerun
 that submits only the cells that have not finished."""
 
+import json
 import os
 import random
 import sys
@@ -10,15 +11,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from click.testing import CliRunner
 
 pytest.importorskip("submitit")
 
-from test_depthdiag_grid import BASE, WORDS, write_grid  # noqa: E402  (the toy corpus and base config)
+from test_depthdiag_grid import (  # noqa: E402  (the toy corpus and base config, a grid stopped mid-cell)
+    BASE,
+    KILLED_GRID,
+    WORDS,
+    final_weights,
+    grid_stopped_after_a_checkpoint,
+    write_grid,
+)
 
 from common.errors import InputError, RunFailed  # noqa: E402
 from depthdiag.cli import main  # noqa: E402
-from depthdiag.grid import collect_grid, grid_cells, load_grid, run_grid, train_command  # noqa: E402
+from depthdiag.grid import cell_state, collect_grid, grid_cells, load_grid, run_grid, train_command  # noqa: E402
 from depthdiag.slurm import SUBMITIT_DIR, SlurmOptions, run_cell, submit_grid  # noqa: E402
 
 
@@ -91,6 +100,29 @@ def test_a_failed_cell_is_named_with_its_log_and_a_rerun_submits_only_it(folder,
         submit(spec, runs)
     assert submissions(runs, "optim.lr=1000.0") == 2
     assert submissions(runs, "optim.lr=0.003") == 1
+
+
+@pytest.mark.slow
+def test_a_grid_killed_mid_cell_resumes_that_cell_from_its_checkpoint(folder):
+    """`grid run --executor submitit-local` stopped (SIGTERM) while a cell's job trains: the job
+    is cancelled, its training keeps its checkpoint, and the next submission trains that cell
+    alone, from the checkpoint, to the weights of an uninterrupted run (a minute: slow)."""
+    grid = write_grid(folder, KILLED_GRID)
+    runs = folder / "runs"
+    # One job at a time, so that the short cell has finished when the long one is stopped.
+    assert grid_stopped_after_a_checkpoint(folder, grid, runs, "--executor", "submitit-local", "--jobs", "1") == 143
+    spec = load_grid(grid)
+    short, long = grid_cells(spec)
+    assert (cell_state(short, runs), cell_state(long, runs)) == ("finished", "interrupted")
+    report = submit(spec, runs)
+    assert report.skipped == (short.name,) and report.trained == (long.name,)
+    assert submissions(runs, short.name) == 1 and submissions(runs, long.name) == 2
+    summary = json.loads((runs / long.name / "summary.json").read_text())
+    assert summary["resumed_from"] == 10  # the checkpoint the stopped job left
+    clean = run_grid(spec, folder / "clean", progress=False)
+    assert long.name in clean.trained
+    resumed, uninterrupted = final_weights(runs / long.name), final_weights(folder / "clean" / long.name)
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
 
 
 def test_a_job_that_ends_without_a_result_is_reported(folder, monkeypatch):

@@ -7,12 +7,13 @@ checkpoint carries the same keys minus `batches`, plus what resuming needs
 (RNG states and the run's counters). `load_snapshot` reads both kinds.
 
 A run sharded with FSDP2 (train.parallel='fsdp' under torchrun) writes its checkpoints
-as folders `step_XXXXXX.dcp/` instead (`save_sharded_checkpoint`): the model and
+and snapshots as folders `NAME.dcp/` instead (`save_sharded_state`): the model and
 optimizer state as torch.distributed.checkpoint shards, every rank writing its own,
-and `meta.pt` (rank 0), a torch.save file of the other keys. Such a folder resumes a
-sharded run at any number of ranks (`load_sharded_state` reshards), and `load_snapshot`
-reads it in a plain process as a whole model's checkpoint. Its snapshots are the
-usual files, gathered from the shards first (`gathered_state`).
+and `meta.pt` (rank 0), a torch.save file of the other keys (a snapshot's batches
+among them). Such a folder loads into a sharded model at any number of ranks
+(`load_sharded_state` reshards: a resume, `diagnose --sharded`), and `load_snapshot`
+reads it in a plain process as a whole model's checkpoint or snapshot, gathering the
+shards. `gathered_state` gathers a sharded model's state into one process.
 
 Writes are atomic (common/atomic.py): an interrupted write never leaves a
 half-written file (or checkpoint folder) under the final name.
@@ -58,11 +59,12 @@ COMMON_KEYS = (
 SNAPSHOT_KEYS = COMMON_KEYS + ("batches",)
 CHECKPOINT_KEYS = COMMON_KEYS + ("rng", "progress")
 SHARDED_KEYS = ("model", "optimizer")
-"""What a sharded checkpoint folder holds as DCP shards; meta.pt holds the other CHECKPOINT_KEYS."""
+"""What a sharded folder holds as DCP shards; meta.pt holds the other keys of its kind (an
+optimizer without state yet, before the first update, is in meta.pt whole: it has no tensors)."""
 META = "meta.pt"
-"""The file of a sharded checkpoint folder that holds everything but the shards."""
+"""The file of a sharded folder that holds everything but the shards."""
 SHARDED_SUFFIX = ".dcp"
-"""How a sharded checkpoint folder's name ends (`checkpoint_name(step, sharded=True)`)."""
+"""How a sharded folder's name ends (`checkpoint_name` and `snapshot_name` with sharded=True)."""
 KINDS = ("snapshot", "checkpoint")
 """What `load_snapshot(path, kind=...)` may insist on; a file with `batches` is a snapshot."""
 
@@ -143,11 +145,8 @@ def save_snapshot(
     lr: float,
     batches: torch.Tensor,
     eval_tokens: torch.Tensor,
-    states: tuple[dict[str, Any], dict[str, Any]] | None = None,
 ) -> Path:
-    """Write a diagnostic snapshot; `batches` int64 [n, B, T+1] are the next n training batches.
-    `states`: the model's and optimizer's state_dicts when they were gathered already (a
-    sharded model's, `gathered_state`); None reads them from `model` and `optimizer`."""
+    """Write a diagnostic snapshot; `batches` int64 [n, B, T+1] are the next n training batches."""
     payload = _state_payload(
         config=config,
         step=step,
@@ -156,7 +155,6 @@ def save_snapshot(
         optimizer=optimizer,
         lr=lr,
         eval_tokens=eval_tokens,
-        states=states,
     )
     payload["batches"] = batches.detach().to("cpu", torch.int64)
     return atomic_torch_save(payload, path)
@@ -189,7 +187,7 @@ def save_checkpoint(
     return atomic_torch_save(payload, path)
 
 
-def save_sharded_checkpoint(
+def save_sharded_state(
     path: str | Path,
     world: World,
     *,
@@ -200,24 +198,33 @@ def save_sharded_checkpoint(
     optimizer: torch.optim.Optimizer,
     lr: float,
     eval_tokens: torch.Tensor,
-    progress: dict[str, float],
+    batches: torch.Tensor | None = None,
+    progress: dict[str, float] | None = None,
 ) -> Path:
-    """Write a resumable checkpoint folder of an FSDP2-sharded `model` and its `optimizer`
-    (see the module docstring); every rank calls it. The folder is filled under a temporary
-    name (rank 0's, broadcast) and renamed once the shards and meta.pt are all on disk, so
-    `path` appears complete or not at all."""
+    """Write a sharded folder of an FSDP2-sharded `model` and its `optimizer` (see the module
+    docstring); every rank calls it. With `batches` (int64 [n, B, T+1], the next n training
+    batches) it is a snapshot, else a resumable checkpoint with the run's `progress` counters.
+    The folder is filled under a temporary name (rank 0's, broadcast) and renamed once the
+    shards and meta.pt are all on disk, so `path` appears complete or not at all."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     path = Path(path)
     if world.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
+    stateless = not optimizer.state
     with atomic_directory(path) if world.is_main else contextlib.nullcontext() as tmp:
         folder = Path(broadcast_object(world, str(tmp) if world.is_main else None))
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+        if stateless:
+            # Before the first update: get_state_dict would create the optimizer's state with a
+            # zero-LR step, which counts as AdamW's first and changes the training that follows.
+            shards = {"model": get_model_state_dict(model)}
+        else:
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            shards = {"model": model_state, "optimizer": optimizer_state}
         # dcp.save returns on rank 0 once every rank has written its shards (its metadata
         # gathers their write results), so the rename below never publishes a partial folder.
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
+        dcp.save(shards, checkpoint_id=folder)
         if world.is_main:
             everything = _state_payload(
                 config=config,
@@ -230,14 +237,19 @@ def save_sharded_checkpoint(
                 states=({}, {}),  # the shards hold them
             )
             payload = {k: v for k, v in everything.items() if k not in SHARDED_KEYS}
-            payload["rng"] = process_rng_state()
-            payload["progress"] = {k: float(v) for k, v in progress.items()}
+            if stateless:
+                payload["optimizer"] = optimizer.state_dict()  # its settings alone: no tensors to shard
+            if batches is not None:
+                payload["batches"] = batches.detach().to("cpu", torch.int64)
+            else:
+                payload["rng"] = process_rng_state()
+                payload["progress"] = {k: float(v) for k, v in (progress or {}).items()}
             atomic_torch_save(payload, folder / META)
     return path
 
 
 def load_sharded_state(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Load the shards of the checkpoint folder `path` into `model` and `optimizer`: under
+    """Load the shards of the sharded folder `path` into `model` and `optimizer`: under
     torchrun an FSDP2-sharded model, every rank calling it (DCP reshards to this world size);
     in a plain process a plain model (no collective, even where a process group exists)."""
     import torch.distributed as dist
@@ -245,12 +257,20 @@ def load_sharded_state(path: str | Path, model: torch.nn.Module, optimizer: torc
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     alone = not (dist.is_initialized() and any(hasattr(p, "full_tensor") for p in model.parameters()))
+    stored = dcp.FileSystemReader(Path(path)).read_metadata().state_dict_metadata
+    stateless = not any(key.startswith("optimizer.") for key in stored)  # a snapshot before the first update
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
+    state = {"model": model_state} if stateless else {"model": model_state, "optimizer": optimizer_state}
     with warnings.catch_warnings():
         # DCP warns at every load in one process that it assumes one process was meant: it was.
         warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
         dcp.load(state, checkpoint_id=Path(path), no_dist=alone)
+    if stateless:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(model, state["model"])
+        optimizer.state.clear()  # get_state_dict's zero-LR step created it: a fresh optimizer has none
+        return
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
@@ -316,7 +336,7 @@ class Snapshot:
     """A loaded snapshot or checkpoint (validated)."""
 
     path: Path
-    """The file (or sharded checkpoint folder) it was read from."""
+    """The file (or sharded folder) it was read from."""
     config: RunConfig
     """The full run config the file was written under."""
     step: int
@@ -332,9 +352,9 @@ class Snapshot:
     eval_tokens: torch.Tensor
     """int64 [E, T+1]: the held-out evaluation set."""
     sha256: str
-    """Hex digest of the file's bytes (of a sharded checkpoint folder: of its files' names and digests)."""
+    """Hex digest of the file's bytes (of a sharded folder: of its files' names and digests)."""
     model_state: dict[str, torch.Tensor] = field(repr=False)
-    """The model state_dict (empty when a sharded checkpoint was read with `shards=False`)."""
+    """The model state_dict (empty when a sharded folder was read with `shards=False`)."""
     optimizer_state: dict[str, Any] = field(repr=False)
     """The optimizer state_dict, torch's plain index-keyed form (empty as `model_state`)."""
     rng: dict[str, Any] | None = field(default=None, repr=False)
@@ -364,9 +384,9 @@ def _one_line(err: BaseException) -> str:
 
 
 def load_snapshot(path: str | Path, kind: str | None = None, *, shards: bool = True) -> Snapshot:
-    """Read and validate a snapshot or checkpoint, a file or a sharded checkpoint folder
-    (`step_XXXXXX.dcp/`, whose shards are loaded into a plain model and optimizer on the
-    CPU); any problem raises InputError "PATH: problem".
+    """Read and validate a snapshot or checkpoint, a file or a sharded folder (`NAME.dcp/`,
+    whose shards are loaded into a plain model and optimizer on the CPU); any problem raises
+    InputError "PATH: problem".
 
     `kind` 'snapshot' or 'checkpoint' refuses a file of the other kind (None reads either).
     `shards=False` reads a sharded folder's meta.pt alone and leaves model_state and
@@ -445,29 +465,33 @@ def _read_payload(path: Path, expected: tuple[str, ...] | None = None) -> dict[s
     return payload
 
 
-def is_checkpoint_folder(path: str | Path) -> bool:
-    """Whether `path` is a folder meant as a sharded checkpoint (step_XXXXXX.dcp/, or any
-    folder holding a meta.pt), which `load_snapshot` reads like a checkpoint file."""
+def is_sharded_folder(path: str | Path) -> bool:
+    """Whether `path` is a folder meant as a sharded checkpoint or snapshot (NAME.dcp/, or any
+    folder holding a meta.pt), which `load_snapshot` reads like a checkpoint or snapshot file."""
     path = Path(path)
     return path.is_dir() and (path.suffix == SHARDED_SUFFIX or (path / META).is_file())
 
 
 def _read_sharded_payload(path: Path, shards: bool) -> dict[str, Any]:
-    """A sharded checkpoint folder's meta.pt with, when `shards`, the model and optimizer
-    state_dicts of its shards loaded into a plain model and optimizer of the stored config
-    (the optimizer's in torch's plain index-keyed form): the payload a checkpoint file holds."""
+    """A sharded folder's meta.pt with, when `shards`, the model and optimizer state_dicts of
+    its shards loaded into a plain model and optimizer of the stored config (the optimizer's
+    in torch's plain index-keyed form): the payload a checkpoint or snapshot file holds."""
     meta = path / META
     if not meta.is_file() and path.suffix != SHARDED_SUFFIX:
         raise InputError(
-            f"{path}: a folder, not a snapshot or checkpoint file (nor a sharded checkpoint step_XXXXXX.dcp/)"
+            f"{path}: a folder, not a snapshot or checkpoint file (nor a sharded one, NAME{SHARDED_SUFFIX}/)"
         )
     if not meta.is_file():
-        raise InputError(f"{path}: no {META}, so not a complete sharded depthdiag checkpoint")
-    payload = _read_payload(meta, expected=tuple(k for k in CHECKPOINT_KEYS if k not in SHARDED_KEYS))
-    if "batches" in payload or any(k in payload for k in SHARDED_KEYS):
-        raise InputError(f"{meta}: not the meta.pt of a sharded checkpoint (it holds batches or weights)")
+        raise InputError(f"{path}: no {META}, so not a complete sharded depthdiag checkpoint or snapshot")
+    payload = _read_payload(meta, expected=tuple(k for k in COMMON_KEYS if k not in SHARDED_KEYS))
+    if "model" in payload:
+        raise InputError(f"{meta}: not the meta.pt of a sharded folder (it holds the weights)")
+    kind_keys = SNAPSHOT_KEYS if "batches" in payload else CHECKPOINT_KEYS
+    missing = [k for k in kind_keys if k not in payload and k not in SHARDED_KEYS]
+    if missing:
+        raise InputError(f"{meta}: missing key(s) {', '.join(missing)}")
     if not shards:
-        payload.update(model={}, optimizer={})
+        payload.update(model={}, optimizer=payload.get("optimizer", {}))
         return payload
     from torch.distributed.checkpoint import CheckpointException
 
@@ -482,7 +506,7 @@ def _read_sharded_payload(path: Path, shards: bool) -> dict[str, Any]:
         raise InputError(
             f"{path}: the shards do not load into the stored config's model and optimizer ({_one_line(err)})"
         ) from None
-    payload.update(model=model.state_dict(), optimizer=optimizer.state_dict())
+    payload.update(model=model.state_dict(), optimizer=payload.get("optimizer") or optimizer.state_dict())
     return payload
 
 
@@ -677,8 +701,9 @@ SNAPSHOT_DIR = "snapshots"
 LATEST = "latest"
 
 
-def snapshot_name(uniform_updates: int, step: int) -> str:
-    return f"u{uniform_updates:04d}_step{step:06d}.pt"
+def snapshot_name(uniform_updates: int, step: int, *, sharded: bool = False) -> str:
+    """A snapshot file's name, or with `sharded` a sharded snapshot folder's."""
+    return f"u{uniform_updates:04d}_step{step:06d}{SHARDED_SUFFIX if sharded else '.pt'}"
 
 
 def checkpoint_name(step: int, *, sharded: bool = False) -> str:

@@ -14,7 +14,8 @@ A run directory holds:
     checkpoints/step_XXXXXX.dcp/   the same, of a run sharded with train.parallel='fsdp' under torchrun:
                                    torch.distributed.checkpoint shards of the model and optimizer and
                                    meta.pt (trainer/checkpoint.py); resumable at any number of processes
-    snapshots/uNNNN_stepXXXXXX.pt  diagnostic inputs NNNN updates after the switch (gathered whole when sharded)
+    snapshots/uNNNN_stepXXXXXX.pt  diagnostic inputs NNNN updates after the switch; of a sharded run
+                                   snapshots/uNNNN_stepXXXXXX.dcp/, shards and meta.pt as its checkpoints
     monitor.h5                     the in-training update diagnostic, when a monitor is given (diag/monitor.py)
     summary.json                   written when the run finishes
 
@@ -51,12 +52,11 @@ from trainer.checkpoint import (
     SNAPSHOT_DIR,
     Snapshot,
     checkpoint_name,
-    gathered_state,
     latest_checkpoint,
     load_sharded_state,
     load_snapshot,
     save_checkpoint,
-    save_sharded_checkpoint,
+    save_sharded_state,
     save_snapshot,
     snapshot_name,
 )
@@ -298,7 +298,7 @@ class _Run:
 
     def write_boundary(self, step: int) -> None:
         """Snapshot and checkpoint due after `step` updates (rank 0; every rank when sharded,
-        which gathers the snapshot's state and writes its own checkpoint shards). The snapshot
+        each writing its own shards of both). The snapshot
         goes first, so a checkpoint on disk implies every snapshot up to its step is too. A
         write the file system refuses (full, read-only, over a size limit) fails the run."""
         if not (self.world.is_main or self.sharded):
@@ -331,20 +331,22 @@ class _Run:
 
     def _write_snapshot(self, step: int) -> None:
         tc = self.config.train
-        states = gathered_state(self.model, self.update.optimizer) if self.sharded else None
-        if not self.world.is_main:
-            return
         batches = torch.stack(
             [self.source.batch(tc.seed, step + i, tc.batch_size, tc.seq_len) for i in range(tc.snapshot_batches)]
         )  # [n, B, T+1]
-        path = self.run_dir / SNAPSHOT_DIR / snapshot_name(self.snapshot_at[step], step)
-        save_snapshot(path, **self._state_at(step), batches=batches, states=states)
+        path = self.run_dir / SNAPSHOT_DIR / snapshot_name(self.snapshot_at[step], step, sharded=self.sharded)
+        if self.sharded:
+            save_sharded_state(path, self.world, **self._state_at(step), batches=batches)
+            if not self.world.is_main:
+                return
+        else:
+            save_snapshot(path, **self._state_at(step), batches=batches)
         self.snapshots.append(str(path))
 
     def _write_checkpoint(self, step: int) -> None:
         path = self.run_dir / CHECKPOINT_DIR / checkpoint_name(step, sharded=self.sharded)
         if self.sharded:
-            save_sharded_checkpoint(path, self.world, **self._state_at(step), progress=self.counters)
+            save_sharded_state(path, self.world, **self._state_at(step), progress=self.counters)
             if not self.world.is_main:
                 return
         else:
