@@ -294,6 +294,10 @@ class DeepCopyStep(OptimizerStep):
         return [d.sub_(d0) for d, d0 in zip(self.delta(grads), delta0)]
 
 
+STEPPED_BY_KERNELS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+"""The optimizer classes whose step runs torch's own functional kernels; any other is deep-copied."""
+
+
 def optimizer_step(optimizer: torch.optim.Optimizer, lr: float | None = None) -> OptimizerStep:
     """Delta(g) for the optimizer's current parameters and state; `lr` overrides every group's LR.
 

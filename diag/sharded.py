@@ -49,7 +49,7 @@ from diag.engine import (
     _module_mode,
     common_random_numbers,
 )
-from diag.optim_step import DeepCopyStep
+from diag.optim_step import STEPPED_BY_KERNELS
 from trainer.checkpoint import Snapshot, load_sharded_state
 from trainer.distributed import World, local_part, register_evaluation_methods, shard_model
 from trainer.loss import counted_targets, forward_precision, summed_token_loss
@@ -61,9 +61,9 @@ from trainer.scoring import nll_by_depth, output_logits
 def sharded_snapshot(snap: Snapshot, world: World) -> tuple[LoopedTransformer, torch.optim.Optimizer]:
     """The snapshot's model and training optimizer, sharded over the process group (every
     rank calls this with the same snapshot); the optimizer's LR is the next update's. A
-    sharded checkpoint folder read without its shards (`load_snapshot(..., shards=False)`)
-    goes shard by shard into the sharded model (torch.distributed.checkpoint reshards it to
-    this world size), never whole on any rank; a file's whole state is loaded, then sharded."""
+    sharded folder read without its shards (`load_snapshot(..., shards=False)`) goes shard
+    by shard into the sharded model (torch.distributed.checkpoint reshards it to this world
+    size), never whole on any rank; a file's whole state is loaded, then sharded."""
     if not snap.model_state:
         model = LoopedTransformer(snap.config.model).to(world.device)
         shard_model(model, world, precision="fp32")
@@ -110,13 +110,14 @@ class ShardedUpdateDiagnostic(UpdateDiagnostic):
             raise InputError("the sharded diagnostic runs under torchrun, in an initialised process group")
         if not isinstance(model, FSDPModule):
             raise InputError("the sharded diagnostic needs the model's root sharded too (fully_shard(model) last)")
+        if type(optimizer) not in STEPPED_BY_KERNELS:
+            # Any other optimizer is deep-copied and stepped whole (diag/optim_step.py), not per shard.
+            raise InputError(
+                f"the sharded diagnostic steps Adam, AdamW and SGD shard by shard, not {type(optimizer).__name__}"
+            )
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         register_evaluation_methods(model)
         super().__init__(model, optimizer, eval_tokens, options, eval_mask=eval_mask)
-        if isinstance(self.step, DeepCopyStep):
-            raise InputError(
-                f"the sharded diagnostic steps Adam, AdamW and SGD shard by shard, not {self.step.optimizer_class}"
-            )
         self._params: dict[str, nn.Parameter] = dict(model.named_parameters())
 
     def _probe(self) -> tuple[int, bool]:

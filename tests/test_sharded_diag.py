@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import xarray as xr
-from helpers import run_depthdiag, write_run
+from helpers import free_port, run_depthdiag, write_run
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from diag.engine import DiagnosticOptions, UpdateDiagnostic
@@ -126,3 +126,29 @@ def test_sharded_without_torchrun_is_one_line(tmp_path):
     result = run_depthdiag("diagnose", run[2], "--out", tmp_path / "r.h5", "--sharded", "--no-progress")
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "--sharded shards the model over torchrun's ranks" in result.stderr
+
+
+def test_what_the_sharded_diagnostic_refuses_is_one_line(monkeypatch):
+    """Outside a process group; a model whose root is not sharded; an optimizer torch's kernels
+    do not step (it would be deep-copied whole, not stepped shard by shard)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from common.errors import InputError
+    from diag.sharded import ShardedUpdateDiagnostic
+
+    model = LoopedTransformer(ModelConfig(**MODEL))
+    with pytest.raises(InputError, match="runs under torchrun"):
+        ShardedUpdateDiagnostic(model, torch.optim.SGD(model.parameters(), lr=0.1), tokens(2, 0))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        fully_shard(model.core[0])
+        with pytest.raises(InputError, match="root sharded too"):
+            ShardedUpdateDiagnostic(model, torch.optim.SGD(model.parameters(), lr=0.1), tokens(2, 0))
+        fully_shard(model)
+        with pytest.raises(InputError, match="not Adagrad"):
+            ShardedUpdateDiagnostic(model, torch.optim.Adagrad(model.parameters()), tokens(2, 0))
+    finally:
+        dist.destroy_process_group()
