@@ -34,11 +34,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.fsdp import FSDPModule
 
 from common.errors import InputError
@@ -50,7 +45,7 @@ from diag.engine import (
     common_random_numbers,
 )
 from diag.optim_step import STEPPED_BY_KERNELS
-from trainer.checkpoint import Snapshot, load_sharded_state
+from trainer.checkpoint import Snapshot, load_indexed_optimizer_state, load_sharded_state
 from trainer.distributed import World, local_part, register_evaluation_methods, shard_model
 from trainer.loss import counted_targets, forward_precision, summed_token_loss
 from trainer.model import LoopedTransformer
@@ -70,16 +65,11 @@ def sharded_snapshot(snap: Snapshot, world: World) -> tuple[LoopedTransformer, t
         optimizer = build_optimizer(model, snap.config.optim)
         load_sharded_state(snap.path, model, optimizer)
     else:
-        model = snap.model("cpu")
-        whole = snap.optimizer(model)
-        # Keyed by parameter name, the form FSDP2's loader distributes over the shards.
-        state = get_optimizer_state_dict(model, whole, options=StateDictOptions(full_state_dict=True))
-        del whole
-        model.to(world.device)
+        model = snap.model(world.device)
         # fp32 weights gathered: the diagnostic's precision option sets its gradients' autocast.
         shard_model(model, world, precision="fp32")
         optimizer = build_optimizer(model, snap.config.optim)
-        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+        load_indexed_optimizer_state(model, optimizer, snap.optimizer_state)
     for group in optimizer.param_groups:
         group["lr"] = snap.lr
     return model, optimizer

@@ -297,6 +297,25 @@ def gathered_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     return model_state, (_indexed_optimizer_state(named) if dist.get_rank() == 0 else {})
 
 
+def load_indexed_optimizer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, indexed: dict[str, Any]
+) -> None:
+    """Load torch's plain, index-keyed optimizer state_dict (a checkpoint or snapshot file's)
+    into the optimizer of an FSDP2-sharded `model`, each rank keeping its shards: the indices
+    name the optimizer's parameters in the order of its param groups (every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = {id(p): name for name, p in model.named_parameters()}
+    params = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    named = {
+        "state": {params[i]: value for i, value in indexed["state"].items()},
+        "param_groups": [
+            {**group, "params": [params[i] for i in group["params"]]} for group in indexed["param_groups"]
+        ],
+    }
+    set_optimizer_state_dict(model, optimizer, named, options=StateDictOptions(full_state_dict=True))
+
+
 def _indexed_optimizer_state(named: dict[str, Any]) -> dict[str, Any]:
     """An optimizer state_dict keyed by parameter names (torch.distributed.checkpoint's form)
     in torch's plain form: parameters numbered in the order of the param groups."""

@@ -53,6 +53,7 @@ from trainer.checkpoint import (
     Snapshot,
     checkpoint_name,
     latest_checkpoint,
+    load_indexed_optimizer_state,
     load_sharded_state,
     load_snapshot,
     save_checkpoint,
@@ -457,19 +458,8 @@ def _load_sharded_checkpoint(checkpoint: Snapshot, model: torch.nn.Module, optim
     shards. The weights of a file were loaded before sharding already (`_initial_model`)."""
     if checkpoint.path.is_dir():
         load_sharded_state(checkpoint.path, model, optimizer)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    names = {id(p): name for name, p in model.named_parameters()}
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    stored = checkpoint.optimizer_state
-    named = {
-        "state": {names[id(params[i])]: value for i, value in stored["state"].items()},
-        "param_groups": [
-            {**group, "params": [names[id(params[i])] for i in group["params"]]} for group in stored["param_groups"]
-        ],
-    }
-    set_optimizer_state_dict(model, optimizer, named, options=StateDictOptions(full_state_dict=True))
+    else:
+        load_indexed_optimizer_state(model, optimizer, checkpoint.optimizer_state)
 
 
 def _config_differences(stored: RunConfig, given: RunConfig) -> list[str]:
