@@ -179,7 +179,9 @@ def test_a_state_read_back_saves_to_the_same_bytes(run, tmp_path):
         lr=snapshot.lr,
         batches=snapshot.batches,
         eval_tokens=snapshot.eval_tokens,
+        trained_on=snapshot.trained_on,
     )
+    assert snapshot.trained_on  # the training machine is recorded, and saved back alike
     assert load_snapshot(again).sha256 == snapshot.sha256
 
 

@@ -2,7 +2,8 @@
 strings and dicts, so every one loads with `torch.load(path, weights_only=True)`.
 
 A snapshot is a self-contained diagnostic input (weights, optimizer state, the
-LR of the next update, the next training batches, the evaluation set). A
+LR of the next update, the next training batches, the evaluation set, and
+`trained_on`: the machines and kernels that trained the run so far, trainer/machine.py). A
 checkpoint carries the same keys minus `batches`, plus what resuming needs
 (RNG states and the run's counters). `load_snapshot` reads both kinds.
 
@@ -65,6 +66,10 @@ META = "meta.pt"
 """The file of a sharded folder that holds everything but the shards."""
 SHARDED_SUFFIX = ".dcp"
 """How a sharded folder's name ends (`checkpoint_name` and `snapshot_name` with sharded=True)."""
+TRAINED_ON = "trained_on"
+"""The optional key of the machines that trained the run up to the file (trainer/machine.py
+records, in the order the run met them; a resume on another machine adds its own). Files
+written before it existed have none and read as ()."""
 KINDS = ("snapshot", "checkpoint")
 """What `load_snapshot(path, kind=...)` may insist on; a file with `batches` is a snapshot."""
 
@@ -118,6 +123,7 @@ def _state_payload(
     optimizer: torch.optim.Optimizer,
     lr: float,
     eval_tokens: torch.Tensor,
+    trained_on: tuple[dict[str, str | int], ...] = (),
     states: tuple[dict[str, Any], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     model_state, optimizer_state = states if states is not None else (model.state_dict(), optimizer.state_dict())
@@ -131,6 +137,7 @@ def _state_payload(
         "optimizer_class": type(optimizer).__name__,
         "lr": float(lr),
         "eval_tokens": eval_tokens.detach().to("cpu", torch.int64),
+        TRAINED_ON: [dict(record) for record in trained_on],
     }
 
 
@@ -145,8 +152,10 @@ def save_snapshot(
     lr: float,
     batches: torch.Tensor,
     eval_tokens: torch.Tensor,
+    trained_on: tuple[dict[str, str | int], ...] = (),
 ) -> Path:
-    """Write a diagnostic snapshot; `batches` int64 [n, B, T+1] are the next n training batches."""
+    """Write a diagnostic snapshot; `batches` int64 [n, B, T+1] are the next n training batches,
+    `trained_on` the machines that trained the run so far (TRAINED_ON)."""
     payload = _state_payload(
         config=config,
         step=step,
@@ -155,6 +164,7 @@ def save_snapshot(
         optimizer=optimizer,
         lr=lr,
         eval_tokens=eval_tokens,
+        trained_on=trained_on,
     )
     payload["batches"] = batches.detach().to("cpu", torch.int64)
     return atomic_torch_save(payload, path)
@@ -171,8 +181,10 @@ def save_checkpoint(
     lr: float,
     eval_tokens: torch.Tensor,
     progress: dict[str, float],
+    trained_on: tuple[dict[str, str | int], ...] = (),
 ) -> Path:
-    """Write a resumable checkpoint; `progress` holds the run's counters (tokens, flops, wall_time)."""
+    """Write a resumable checkpoint; `progress` holds the run's counters (tokens, flops, wall_time),
+    `trained_on` the machines that trained the run so far (TRAINED_ON)."""
     payload = _state_payload(
         config=config,
         step=step,
@@ -181,6 +193,7 @@ def save_checkpoint(
         optimizer=optimizer,
         lr=lr,
         eval_tokens=eval_tokens,
+        trained_on=trained_on,
     )
     payload["rng"] = process_rng_state()
     payload["progress"] = {k: float(v) for k, v in progress.items()}
@@ -200,6 +213,7 @@ def save_sharded_state(
     eval_tokens: torch.Tensor,
     batches: torch.Tensor | None = None,
     progress: dict[str, float] | None = None,
+    trained_on: tuple[dict[str, str | int], ...] = (),
 ) -> Path:
     """Write a sharded folder of an FSDP2-sharded `model` and its `optimizer` (see the module
     docstring); every rank calls it. With `batches` (int64 [n, B, T+1], the next n training
@@ -234,6 +248,7 @@ def save_sharded_state(
                 optimizer=optimizer,
                 lr=lr,
                 eval_tokens=eval_tokens,
+                trained_on=trained_on,
                 states=({}, {}),  # the shards hold them
             )
             payload = {k: v for k, v in everything.items() if k not in SHARDED_KEYS}
@@ -380,6 +395,9 @@ class Snapshot:
     """RNG states (checkpoints only)."""
     progress: dict[str, float] | None = field(default=None, repr=False)
     """Run counters tokens, flops, wall_time (checkpoints only)."""
+    trained_on: tuple[dict[str, str | int], ...] = ()
+    """The machines and kernels that trained the run up to this file (TRAINED_ON; () when the
+    file predates the record)."""
 
     def model(self, device: str | torch.device = "cpu") -> LoopedTransformer:
         """A LoopedTransformer with the stored weights (fp32, on `device`)."""
@@ -459,6 +477,7 @@ def load_snapshot(path: str | Path, kind: str | None = None, *, shards: bool = T
         optimizer_state=payload["optimizer"],
         rng=payload.get("rng"),
         progress=payload.get("progress"),
+        trained_on=_check_trained_on(path, payload.get(TRAINED_ON, [])),
     )
 
 
@@ -541,6 +560,17 @@ def _folder_sha256(path: Path) -> str:
     for file in sorted(f for f in path.rglob("*") if f.is_file()):
         digest.update(f"{file.relative_to(path).as_posix()}\0{file_sha256(file)}\n".encode())
     return digest.hexdigest()
+
+
+def _check_trained_on(path: Path, records: Any) -> tuple[dict[str, str | int], ...]:
+    """The TRAINED_ON records, once they are a list of flat dicts of strings and ints."""
+    flat = isinstance(records, list) and all(
+        isinstance(record, dict) and all(isinstance(k, str) and isinstance(v, (str, int)) for k, v in record.items())
+        for record in records
+    )
+    if not flat:
+        raise InputError(f"{path}: '{TRAINED_ON}' must be a list of machine records (dicts of strings and ints)")
+    return tuple(records)
 
 
 def _check_scalars(path: Path, config: RunConfig, payload: dict[str, Any]) -> None:

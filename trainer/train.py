@@ -77,6 +77,7 @@ from trainer.distributed import (
 from trainer.flops import update_flops
 from trainer.hooks import TrainingMonitor
 from trainer.loss import clip_gradients_, counted_targets, forward_precision, loss_sum_of
+from trainer.machine import machine
 from trainer.model import LoopedTransformer
 from trainer.optim import build_optimizer, lr_at
 from trainer.resources import check_memory
@@ -166,6 +167,8 @@ class TrainSummary:
     """Checkpoints this invocation wrote."""
     snapshots: tuple[str, ...]
     """Snapshots this invocation wrote."""
+    trained_on: tuple[dict[str, str | int], ...] = ()
+    """The machines and kernels that trained the run, in the order it met them (trainer/machine.py)."""
 
 
 def train(
@@ -272,6 +275,9 @@ class _Run:
     """The loss of the last metrics line kept from before `start` (rank 0; NaN when there is none)."""
     last_checkpoint: Path | None
     """The newest checkpoint on disk: where a failed run can resume from."""
+    trained_on: tuple[dict[str, str | int], ...]
+    """The machines that trained the run, this one last (trainer/machine.py): every checkpoint,
+    snapshot and the summary records them."""
     checkpoints: list[str] = field(default_factory=list)
     """Checkpoints this invocation wrote."""
     snapshots: list[str] = field(default_factory=list)
@@ -328,6 +334,7 @@ class _Run:
             "optimizer": self.update.optimizer,
             "lr": lr_at(step, self.config.optim, self.config.train.updates),
             "eval_tokens": self.eval_tokens,
+            "trained_on": self.trained_on,
         }
 
     def _write_snapshot(self, step: int) -> None:
@@ -402,7 +409,16 @@ def _set_up(config: RunConfig, run_dir: Path, world: World, *, resume: bool) -> 
         snapshot_at=_snapshot_steps(schedule, config, world),
         resumed_loss=resumed_loss,
         last_checkpoint=latest_checkpoint(run_dir) if checkpoint is not None else None,
+        trained_on=_trained_on(checkpoint, world),
     )
+
+
+def _trained_on(checkpoint: Snapshot | None, world: World) -> tuple[dict[str, str | int], ...]:
+    """The machines that trained the run: the checkpoint's, and this process's unless it is the
+    same as the last one (a resume on the same machine adds nothing)."""
+    before = checkpoint.trained_on if checkpoint is not None else ()
+    here = machine(world.device.type)
+    return before if before and before[-1] == here else (*before, here)
 
 
 def _checked_schedule(config: RunConfig, world: World) -> Schedule:
@@ -737,6 +753,7 @@ def _finish(run: _Run, final_loss: float) -> TrainSummary:
         wall_time=run.counters["wall_time"],
         checkpoints=tuple(run.checkpoints),
         snapshots=tuple(run.snapshots),
+        trained_on=run.trained_on,
     )
     if run.world.is_main:
         atomic_write_text(json.dumps(asdict(summary), indent=2) + "\n", run.run_dir / "summary.json")
