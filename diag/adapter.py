@@ -47,7 +47,8 @@ class AdaptedModel:
 
     model: nn.Module
     """Its forward takes the input ids [B, T] and the depth as the keyword `depth_kwarg`, and
-    returns logits [B, T, V] or an object with `.logits`. It runs on the device it is on."""
+    returns logits [B, T, V] or an object with `.logits` (or as `family` says). It runs on the
+    device it is on."""
     optimizer: torch.optim.Optimizer
     """The optimizer over `model`'s parameters with the state of the step to diagnose."""
     batches: Sequence[Tensor] | Tensor
@@ -146,7 +147,7 @@ class AdaptedModel:
         add(self.eval_mask)
         add([self.depth_kwarg, self.lr, self.grad_clip, type(self.model).__qualname__, type(self.optimizer).__name__])
         add(self.precision)
-        add(repr(self.family))
+        add(None if self.family is None else self.family.identity())
         add(self.optimizer_state)
         return digest.hexdigest()
 

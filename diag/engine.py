@@ -19,14 +19,23 @@ clones it holds at most two updates and one gradient at a time.
 
 A model from another codebase is measured or refused, never silently mismeasured; each
 problem is a one-sentence InputError naming the fix: a forward that takes no `depth_kwarg`,
-or whose output does not change with it (a `**kwargs` forward swallows a wrong keyword), an
-output that is neither logits nor an object with `.logits`, token ids beyond the logits'
-last dimension, trainable parameters that get no gradient at an update depth (a loop run
-without gradient). Every forward runs from one fixed random stream (common random numbers,
-`CRN_SEED`), so a model that draws noise in its forward (a random initial state) is compared
-fairly and reproducibly, and the caller's RNG states are left as they were; the unit's
-`random_forward` attribute says whether the forward drew any. `compare_updates` warns
-(BiasCorrectionWarning) when Adam's state is too young for the comparison to mean much.
+or whose output does not change with it even with its weights perturbed (a `**kwargs` forward
+swallows a wrong keyword), an output that is neither logits nor an object with `.logits` (a
+family's `logits_from` says where they are), token ids beyond the logits' last dimension,
+trainable parameters that get no gradient at an update depth (the fix fitting what further
+forwards find: a loop run without gradient for an integer depth, backprop truncated by the
+forward itself, or parameters the loss never reaches). A model whose output does not change
+with depth at the diagnosed weights only (a fresh model with zero-initialised output
+projections) is diagnosed, with an UnchangedByDepthWarning.
+
+Every forward runs from a fixed random stream (common random numbers, `CRN_SEED`), so a model
+that draws noise in its forward (a random initial state) is compared fairly and reproducibly,
+and the caller's RNG states are left as they were; the unit's `random_forward` attribute says
+whether the forward drew any. Such a model is evaluated one sequence at a time, each
+(sequence, serving depth) forward from the stream of its sequence (`sequence_seed`), so its
+numbers do not depend on the serving depths asked for, the evaluation batch size or the
+process. `compare_updates` warns (BiasCorrectionWarning) when Adam's state is too young for
+the comparison to mean much.
 """
 
 from __future__ import annotations
@@ -54,7 +63,8 @@ from diag.families import ModelFamily, keyword_family
 from diag.optim_step import OptimizerStep, fp32_clone, optimizer_step
 from trainer.loss import clip_gradients_, counted_targets, forward_precision, summed_token_loss
 from trainer.model import IGNORE_INDEX, LoopedTransformer
-from trainer.scoring import chunk_counts, mean_nll_by_depth, output_logits
+from trainer.rng import seeded_generator
+from trainer.scoring import chunk_counts, mean_nll_by_depth, nll_by_depth
 
 
 @dataclass(frozen=True)
@@ -79,7 +89,8 @@ class DiagnosticOptions:
     precision: str = "fp32"
     """'fp32' or 'bf16' (autocast) for the gradient passes, as in training; evaluation is fp32."""
     eval_batch_size: int = 32
-    """Rows of the evaluation set per forward pass."""
+    """Rows of the evaluation set per forward pass (1 for a model whose forward draws random
+    numbers, whatever this says: see `UpdateDiagnostic.evaluate`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "update_depths", checked_depths(self.update_depths, "update_depths"))
@@ -201,7 +212,14 @@ def match_rms(updates: Sequence[Sequence[Tensor]], mode: str) -> tuple[list[list
 
 
 CRN_SEED = 20260
-"""The seed of the random stream every forward of the diagnostic starts from."""
+"""The seed of the random stream every forward of the diagnostic starts from (an evaluation
+forward of a model that draws random numbers: the stream of its sequence, `sequence_seed`)."""
+
+
+def sequence_seed(index: int) -> int:
+    """The seed of the random stream of evaluation sequence `index` (its row in the evaluation
+    set): a pure function of (CRN_SEED, index), through the project's one seeding recipe."""
+    return int(seeded_generator(CRN_SEED, index).integers(2**63))
 
 
 def _cuda_in_use() -> list[int]:
@@ -211,15 +229,20 @@ def _cuda_in_use() -> list[int]:
 
 
 @contextlib.contextmanager
-def common_random_numbers() -> Iterator[None]:
+def common_random_numbers() -> Iterator[Callable[[int], None]]:
     """Run the block from the fixed random stream CRN_SEED (the CPU's and every initialised
-    CUDA device's), and give the caller's RNG states back afterwards, exactly as they were."""
+    CUDA device's), and give the caller's RNG states back afterwards, exactly as they were.
+    Yields `reseed(seed)`, which starts those streams again from `seed` inside the block."""
     cuda = _cuda_in_use()
-    with torch.random.fork_rng(devices=cuda):
-        torch.default_generator.manual_seed(CRN_SEED)
+
+    def reseed(seed: int) -> None:
+        torch.default_generator.manual_seed(seed)
         for index in cuda:
-            torch.cuda.default_generators[index].manual_seed(CRN_SEED)
-        yield
+            torch.cuda.default_generators[index].manual_seed(seed)
+
+    with torch.random.fork_rng(devices=cuda):
+        reseed(CRN_SEED)
+        yield reseed
 
 
 def _rng_states() -> list[Tensor]:
@@ -256,6 +279,32 @@ def _check_depth_kwarg(model: nn.Module, depth_kwarg: str) -> None:
         f"(it accepts {_accepted_keywords(model)}); depth_kwarg names the keyword that sets the number of "
         "loop iterations, e.g. depth_kwarg='num_steps' for Huginn-style models"
     )
+
+
+PERTURBATION = 0.1
+"""The noise that tells a depth keyword the forward ignores from weights at which the output
+does not change with depth: 0.1 times each tensor's RMS (of at least 0.1, so that a tensor of
+zeros moves too)."""
+
+
+def _perturbed(params: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`params` with Gaussian noise added to every floating tensor, from a generator of its own
+    (the caller's random streams are not touched)."""
+    generator = torch.Generator().manual_seed(CRN_SEED)
+    perturbed = {}
+    for name, value in params.items():
+        if value.is_floating_point():
+            rms = float(value.double().square().mean().sqrt()) if value.numel() else 0.0
+            noise = torch.randn(value.shape, generator=generator, dtype=torch.float32)
+            value = value + (PERTURBATION * max(rms, PERTURBATION) * noise).to(value.device, value.dtype)
+        perturbed[name] = value
+    return perturbed
+
+
+class UnchangedByDepthWarning(UserWarning):
+    """The model's output is the same at every depth at the diagnosed weights, though its depth
+    keyword sets the depth (the output changes with it once the weights are perturbed): a model
+    that does not use its depth yet, e.g. with zero-initialised output projections."""
 
 
 def _check_vocabulary(tokens: Tensor, name: str, vocab_size: int) -> None:
@@ -317,21 +366,30 @@ def _module_mode(model: nn.Module, *, training: bool) -> Iterator[None]:
             module.training = mode
 
 
-def _check_gradient_coverage(trainable: list[str], grads: Sequence[Tensor | None], depth: int) -> None:
-    """Refuse a gradient that leaves trainable parameters out: an update made of zeros there
-    would be measured as if those parameters did not matter."""
-    missing = [name for name, g in zip(trainable, grads) if g is None]
-    if not missing:
-        return
+UNREACHED_FIX = (
+    "the loss never reaches them (e.g. a gate or head that only a loss of the model's own uses); freeze them "
+    "(requires_grad=False), and the optimizer steps them with a zero gradient"
+)
+"""The fix for parameters that get no gradient at any depth."""
+
+
+def _no_gradient_message(missing: list[str], trainable: int, depth: int, fix: str) -> str:
+    """The refusal of a gradient that leaves the parameters `missing` out: an update made of zeros
+    there would be measured as if those parameters did not matter. `fix` says what to do."""
     modules = list(dict.fromkeys(name.rsplit(".", 1)[0] if "." in name else name for name in missing))
     shown = ", ".join(modules[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
-    raise InputError(
-        f"{len(missing)} of {len(trainable)} trainable parameters get no gradient at update depth {depth} "
-        f"({shown}); usually the model runs its loop without gradient for this call (a Huginn-convention "
-        "forward does for an integer num_steps); call it as it trains through its model family "
-        "(family=diag.families.HUGINN, --family huginn: docs/diagnostic.md), or freeze parameters the loss "
-        "never reaches (requires_grad=False)"
+    return (
+        f"{len(missing)} of {trainable} trainable parameters get no gradient at update depth {depth} ({shown}); {fix}"
     )
+
+
+def _check_gradient_coverage(trainable: list[str], grads: Sequence[Tensor | None], depth: int) -> None:
+    """Refuse a gradient that leaves trainable parameters out, as parameters the loss never
+    reaches: the sharded diagnostic's check, whose LoopedTransformer-like models take their depth
+    as one int and act with every parameter at every depth unless one is unused."""
+    missing = [name for name, g in zip(trainable, grads) if g is None]
+    if missing:
+        raise InputError(_no_gradient_message(missing, len(trainable), depth, UNREACHED_FIX))
 
 
 class UpdateDiagnostic:
@@ -393,7 +451,13 @@ class UpdateDiagnostic:
         self._chunk_counts = chunk_counts(self.eval_targets, options.eval_batch_size)
         if sum(self._chunk_counts) == 0:
             raise InputError("the evaluation set has no counted target (all IGNORE_INDEX or masked out)")
+        if self.random_forward:
+            # Evaluated one sequence at a time (`evaluate`): each sequence's counted targets and seed.
+            self._sequence_counts = chunk_counts(self.eval_targets, 1)
+            self._sequence_seeds = [sequence_seed(index) for index in range(len(self.eval_targets))]
         self._nll_before: np.ndarray | None = None
+        self._unreached_at_depth_one: frozenset[str] | None = None
+        """The trainable parameters the gradient at depth 1 does not reach (read when needed)."""
 
     sum_over_ranks: SumOverRanks | None = None
     """None: the update is whole here; a sharded diagnostic sums its reductions over the ranks."""
@@ -422,13 +486,8 @@ class UpdateDiagnostic:
         depths = sorted({*self.options.serving_depths, *self.options.update_depths})
         outputs, random = [], False
         for depth in dict.fromkeys((depths[0], depths[-1])):
-            with torch.no_grad(), _module_mode(self.model, training=False), common_random_numbers():
-                before = _rng_states()
-                output = torch.func.functional_call(
-                    self.model, self._state(self.theta), (probe,), self.family.eval_call(depth)
-                )
-                random = random or any(not torch.equal(a, b) for a, b in zip(before, _rng_states()))
-            logits = output_logits(output)
+            logits, drew = self._probe_forward(self.theta, probe, depth)
+            random = random or drew
             if logits.dim() != 3 or logits.shape[:2] != probe.shape:
                 raise InputError(
                     f"the model's forward returned logits of shape {list(logits.shape)} for input ids of shape "
@@ -436,14 +495,44 @@ class UpdateDiagnostic:
                 )
             outputs.append(logits)
         if len(outputs) == 2 and torch.equal(outputs[0], outputs[1]):
-            keyword = self.family.depth_kwarg
-            raise InputError(
-                f"depth_kwarg={keyword!r}: {type(self.model).__name__}'s output is the same at "
-                f"{keyword}={depths[0]} and {depths[-1]}, so the keyword does not set its depth "
-                f"(its forward accepts {_accepted_keywords(self.model)}); name the keyword that sets the number "
-                "of loop iterations, e.g. depth_kwarg='num_steps' for Huginn-style models"
-            )
+            self._tell_an_ignored_keyword_from_an_unused_depth(probe, depths[0], depths[-1])
         return int(outputs[0].shape[-1]), random
+
+    def _probe_forward(self, params: dict[str, Tensor], probe: Tensor, depth: int) -> tuple[Tensor, bool]:
+        """The logits of the model with `params` on `probe` at serving depth `depth`, and whether
+        the forward drew random numbers."""
+        with torch.no_grad(), _module_mode(self.model, training=False), common_random_numbers():
+            before = _rng_states()
+            output = torch.func.functional_call(self.model, self._state(params), (probe,), self.family.eval_call(depth))
+            drew = any(not torch.equal(a, b) for a, b in zip(before, _rng_states()))
+        return self.family.logits(output), drew
+
+    def _tell_an_ignored_keyword_from_an_unused_depth(self, probe: Tensor, shallow: int, deep: int) -> None:
+        """The output is the same at depths `shallow` and `deep`. The same forwards with every
+        weight perturbed tell why: a keyword that sets the number of loop iterations changes the
+        output of almost any weights, so an output that stays the same means the keyword does not
+        reach the loop (refused), and one that changes means the weights do not use their depth
+        yet (zero-initialised output projections leave the state as it was at every iteration:
+        warned, and diagnosed, since an update from such a state is well defined)."""
+        keyword, name = self.family.depth_kwarg, type(self.model).__name__
+        perturbed = _perturbed(self.theta)
+        if torch.equal(
+            self._probe_forward(perturbed, probe, shallow)[0], self._probe_forward(perturbed, probe, deep)[0]
+        ):
+            raise InputError(
+                f"depth_kwarg={keyword!r}: {name}'s output is the same at {keyword}={shallow} and {deep}, and stays "
+                f"the same with every weight perturbed, so the keyword does not set its depth (its forward accepts "
+                f"{_accepted_keywords(self.model)}); name the keyword that sets the number of loop iterations, "
+                "e.g. depth_kwarg='num_steps' for Huginn-style models"
+            )
+        warnings.warn(
+            f"{name}'s output is the same at {keyword}={shallow} and {deep} at these weights, though {keyword} sets "
+            "its depth (with the weights perturbed the output changes with it): the model does not use its depth "
+            "yet (e.g. zero-initialised output projections), so it scores alike at every serving depth before "
+            "the update",
+            UnchangedByDepthWarning,
+            stacklevel=2,
+        )
 
     def check_batch(self, batch: Tensor, name: str = "batch") -> Tensor:
         """`batch` as int64 on the model's device; InputError unless it is token ids [B, T+1]
@@ -454,25 +543,90 @@ class UpdateDiagnostic:
 
     def gradient(self, batch: Tensor, depth: int) -> tuple[float, list[Tensor]]:
         """Training loss at `depth` on `batch` [B, T+1] and its gradient for the optimizer's
-        parameters (fp32, flat order; zeros where a parameter gets none), clipped over all
-        parameters as `clip_grad_norm_(model.parameters())` does in training."""
+        parameters (fp32, flat order; zeros where a parameter gets none: a frozen one, or one
+        the family's truncated backprop leaves out), clipped over all parameters as
+        `clip_grad_norm_(model.parameters())` does in training."""
         batch = self.check_batch(batch)
+        loss, trainable, grads = self._loss_and_gradients(batch, self.family.gradient_call(depth))
+        missing = [name for name, g in zip(trainable, grads) if g is None]
+        if missing and not self._left_out_by_truncation(batch, depth, missing):
+            fix = self._no_gradient_fix(batch, depth, missing)
+            raise InputError(_no_gradient_message(missing, len(trainable), depth, fix))
+        by_name = {name: g for name, g in zip(trainable, grads) if g is not None}
+        clip_gradients_(list(by_name.values()), self.options.grad_clip)  # fresh tensors: scaled in place
+        flat = [by_name[n].float() if n in by_name else torch.zeros_like(self.theta[n]) for n in self.stepped]
+        return float(loss.detach()), flat
+
+    def _loss_and_gradients(self, batch: Tensor, call: dict) -> tuple[Tensor, list[str], Sequence[Tensor | None]]:
+        """Training's loss on `batch` of one forward with the keywords `call`, the names of the
+        trainable parameters and their gradients (None where the loss does not reach one)."""
         leaves = {name: t.detach().requires_grad_(self.requires_grad[name]) for name, t in self.theta.items()}
+        trainable = [name for name in leaves if self.requires_grad[name]]
         # a caller's no_grad must not leave the loss without a graph
         with torch.enable_grad(), common_random_numbers():
             with forward_precision(self.device.type, self.options.precision), _module_mode(self.model, training=True):
-                output = torch.func.functional_call(
-                    self.model, self._state(leaves), (batch[:, :-1],), self.family.gradient_call(depth)
-                )
+                output = torch.func.functional_call(self.model, self._state(leaves), (batch[:, :-1],), call)
             # Training's loss (trainer/loss.py): summed, then divided by the counted targets.
-            loss = summed_token_loss(output_logits(output), batch[:, 1:]) / float(counted_targets(batch))
-            trainable = [name for name in leaves if self.requires_grad[name]]
+            loss = summed_token_loss(self.family.logits(output), batch[:, 1:]) / float(counted_targets(batch))
+            if not loss.requires_grad:  # the whole forward ran without gradient
+                return loss, trainable, [None] * len(trainable)
             grads = torch.autograd.grad(loss, [leaves[n] for n in trainable], allow_unused=True)
-        _check_gradient_coverage(trainable, grads, depth)
-        clip_gradients_(grads, self.options.grad_clip)  # fresh tensors: scaled in place, as training's
-        by_name = dict(zip(trainable, grads))
-        flat = [by_name[n].float() if n in by_name else torch.zeros_like(self.theta[n]) for n in self.stepped]
-        return float(loss.detach()), flat
+        return loss, trainable, grads
+
+    def _unreached(self, batch: Tensor, call: dict) -> set[str]:
+        """The trainable parameters the loss of a forward with the keywords `call` does not reach."""
+        _, trainable, grads = self._loss_and_gradients(batch, call)
+        return {name for name, g in zip(trainable, grads) if g is None}
+
+    def _unreached_at_one(self, batch: Tensor) -> frozenset[str]:
+        """The trainable parameters the gradient at depth 1 does not reach. At depth 1 the only
+        iteration carries gradient under any truncation, so this is every parameter the loss
+        reaches at all; which ones does not depend on the batch: read once."""
+        if self._unreached_at_depth_one is None:
+            self._unreached_at_depth_one = frozenset(self._unreached(batch, self.family.gradient_call(1)))
+        return self._unreached_at_depth_one
+
+    def _left_out_by_truncation(self, batch: Tensor, depth: int, missing: list[str]) -> bool:
+        """Whether the family's truncated backprop leaves the parameters `missing` out at `depth`
+        as training at that depth does: the gradient flows through fewer iterations than `depth`,
+        and at depth 1 it reaches them, so they act only before the iterations that carry it."""
+        window = self.family.backprop_depth
+        return window is not None and depth > window and not set(missing) & self._unreached_at_one(batch)
+
+    def _no_gradient_fix(self, batch: Tensor, depth: int, missing: list[str]) -> str:
+        """What to do about parameters that get no gradient at `depth`, from further forwards:
+        the depth keyword given as a pair (iterations without, iterations with gradient) reaching
+        every parameter means a forward that runs its loop without gradient for an int (Huginn's
+        convention); the gradient at depth 1 reaching them means backprop truncated to the last
+        iterations, which they do not act in; reached at neither, the loss never reaches them."""
+        family, keyword = self.family, self.family.depth_kwarg
+        if not family.pair_depth and self._reaches_every_parameter(
+            batch, {**family.gradient_call(depth), keyword: (0, depth)}
+        ):
+            return (
+                f"the forward runs its loop without gradient for an integer {keyword} and with gradient for a pair "
+                "(iterations without, iterations with), as a Huginn-convention forward does; call it as it trains, "
+                "through a pair-depth family: family=diag.families.HUGINN (--family huginn), or "
+                f"ModelFamily(..., depth_kwarg={keyword!r}, pair_depth=True, backprop_depth=n) (docs/diagnostic.md)"
+            )
+        if depth > 1 and not set(missing) & self._unreached_at_one(batch):
+            return (
+                "they get one at depth 1: only the last iterations of the forward carry gradient (backprop "
+                "truncated by the forward itself) and they act only in earlier ones; if the model trains so, say how "
+                f"many iterations carry gradient in its family, ModelFamily(..., depth_kwarg={keyword!r}, "
+                "backprop_depth=k) without pair_depth, and beyond depth k they get the zero gradient training gives "
+                "them (docs/diagnostic.md)"
+            )
+        return f"they get none at depth 1 either: {UNREACHED_FIX}"
+
+    def _reaches_every_parameter(self, batch: Tensor, call: dict) -> bool:
+        """Whether the loss of a forward with the keywords `call` reaches every trainable parameter;
+        False when the forward fails: a forward that takes no such call fails in its own way (a
+        TypeError, a shape error, an assertion), which only says the call is not its convention."""
+        try:
+            return not self._unreached(batch, call)
+        except Exception:
+            return False
 
     @property
     def delta0(self) -> list[Tensor]:
@@ -483,30 +637,69 @@ class UpdateDiagnostic:
     def update(self, grads: Sequence[Tensor]) -> list[Tensor]:
         """u for one gradient under the chosen isolation (fp32, optimizer's flat order)."""
         if self.options.isolate == "linear":
-            return self.step.linear(grads)
+            return self.step.linear(grads, self.sum_over_ranks)
         if self.options.isolate == "none":
             return self.step.delta(grads)
         return self.step.counterfactual(grads)
 
     def evaluate(self, update: Sequence[Tensor] | None = None) -> np.ndarray:
         """Mean token NLL of theta + update on the evaluation set at every serving depth
-        (float64 [S]), token-weighted over chunks of rows (trainer/scoring.py)."""
+        (float64 [S]), token-weighted over chunks of rows (trainer/scoring.py); for a model whose
+        forward draws random numbers, over sequences evaluated one at a time
+        (`_nll_sequence_by_sequence`)."""
         params = dict(self.theta)
         if update is not None:
             for name, u in zip(self.stepped, update):
                 params[name] = params[name] + u
-        with _module_mode(self.model, training=False), common_random_numbers():
-            nll = mean_nll_by_depth(
-                self.model,
-                self.eval_tokens,
-                list(self.options.serving_depths),
-                targets=self.eval_targets,
-                batch_size=self.options.eval_batch_size,
-                counts=self._chunk_counts,
-                state=functools.partial(self._state, params),
-                depth_call=self.family.eval_call,
-            )
+        state = functools.partial(self._state, params)
+        with _module_mode(self.model, training=False), common_random_numbers() as reseed:
+            if self.random_forward:
+                nll = self._nll_sequence_by_sequence(state, reseed)
+            else:
+                nll = mean_nll_by_depth(
+                    self.model,
+                    self.eval_tokens,
+                    list(self.options.serving_depths),
+                    targets=self.eval_targets,
+                    batch_size=self.options.eval_batch_size,
+                    counts=self._chunk_counts,
+                    state=state,
+                    depth_call=self.family.eval_call,
+                    logits_of=self.family.logits,
+                )
         return nll.cpu().numpy()
+
+    @torch.no_grad()
+    def _nll_sequence_by_sequence(
+        self, state: Callable[[], dict[str, Tensor]], reseed: Callable[[int], None]
+    ) -> Tensor:
+        """The evaluation of a model whose forward draws random numbers: one forward per
+        (sequence, serving depth) of that sequence alone, each from the random stream of the
+        sequence (`sequence_seed` of its row), so that the noise a sequence gets at a depth
+        depends on its row, the depth and CRN_SEED only, never on the other depths asked for, the
+        rows evaluated with it or the process (a batched forward's noise would: row i of a batch
+        draws from where the rows before it stopped). Each sequence's mean NLL is weighted by its
+        counted targets, in float64. The price: E x S forwards of one row instead of
+        ceil(E / eval_batch_size) x S of many (docs/diagnostic.md)."""
+        depths = list(self.options.serving_depths)
+        totals = torch.zeros(len(depths), dtype=torch.float64, device=self.device)
+        for index, count in enumerate(self._sequence_counts):
+            if count == 0:
+                continue
+            inputs, targets = self.eval_tokens[index : index + 1, :-1], self.eval_targets[index : index + 1]
+            for position, depth in enumerate(depths):
+                reseed(self._sequence_seeds[index])
+                nll = nll_by_depth(
+                    self.model,
+                    inputs,
+                    targets,
+                    [depth],
+                    state=state,
+                    depth_call=self.family.eval_call,
+                    logits_of=self.family.logits,
+                )
+                totals[position] += nll[0].double() * count
+        return totals / sum(self._sequence_counts)
 
     @property
     def nll_before(self) -> np.ndarray:

@@ -16,6 +16,7 @@ from common.errors import InputError
 from diag.adapter import AdaptedModel, adapter_config_json, load_adapter
 from diag.engine import DiagnosticOptions, UpdateDiagnostic
 from diag.evalset import resolve_eval_set
+from diag.families import resolve_family
 from diag.hf import DEFAULT_BATCHES as DEFAULT_HF_BATCHES
 from diag.hf import HfInput, hf_adapted_model, hf_config_json
 from diag.snapshot_loading import SnapshotFolder, read_snapshot_folder
@@ -73,6 +74,10 @@ class DiagnoseConfig:
     trust_remote_code: bool = False
     """Run the code a snapshot folder's Hugging Face model ships with (its model/ folder's
     auto_map); `hf` has its own (HfInput.trust_remote_code)."""
+    family: str | None = None
+    """A model family's name or MODULE:NAME (diag/families.py) to call snapshot folders' or an
+    adapter's model by, in place of the family (or depth_kwarg) they say; None: theirs. `hf` has
+    its own (HfInput.family); snapshot files are depthdiag's models, called as they trained."""
     diagnostic: DiagnosticOptions = field(init=False, repr=False, compare=False)
     """The engine's options built from the fields above (fp32, no clipping: each snapshot's
     training settings are added by `snapshot_options`)."""
@@ -93,6 +98,8 @@ class DiagnoseConfig:
             raise InputError(f"{' and '.join(given)} exclude each other: diagnose one or the other")
         if self.trust_remote_code and not self.snapshots:
             raise InputError("trust_remote_code is for snapshot folders; a --hf folder's is HfInput.trust_remote_code")
+        if self.family is not None and self.hf is not None:
+            raise InputError(f"--hf {self.hf.folder}: its family is HfInput.family, not DiagnoseConfig.family")
         if self.adapter_args and self.adapter is None:
             raise InputError("--adapter-arg needs --adapter: it is an argument of the adapter function")
         if self.adapter is not None and self.eval_set == "attributes":
@@ -178,11 +185,14 @@ class Entry:
     """A snapshot folder (diag.save_snapshot): loaded again when its units run unless `adapted` holds it."""
     optimizer_state: str | None = None
     """Where the optimizer's state came from, when the model was handed over whole and says (AdaptedModel)."""
+    trained_on: tuple[dict[str, str | int], ...] = ()
+    """The machines that trained the model up to the snapshot, as the file records them
+    (trainer/machine.py; () when it does not)."""
 
 
 def _adapter_entry(config: DiagnoseConfig) -> Entry:
     spec = config.adapter
-    adapted = load_adapter(spec, config.adapter_args)
+    adapted = with_run_family(config, load_adapter(spec, config.adapter_args))
     config_json = adapter_config_json(spec, config.adapter_args, adapted)
     return _adapted_entry(config, adapted, option=f"--adapter {spec}", path=spec, config_json=config_json)
 
@@ -302,7 +312,8 @@ def _folder_entries(config: DiagnoseConfig) -> list[Entry]:
             step=folder.step,
             batch_source="snapshot",
         )
-        entry = replace(entry, snapshot_folder=True)
+        saved_on = folder.document.get("provenance", {}).get("machine")
+        entry = replace(entry, snapshot_folder=True, trained_on=(saved_on,) if saved_on else ())
         if len(folders) > 1:
             entry = replace(entry, adapted=None, diagnostic=None)
         entries.append(entry)
@@ -311,8 +322,17 @@ def _folder_entries(config: DiagnoseConfig) -> list[Entry]:
 
 
 def load_folder(config: DiagnoseConfig, folder: SnapshotFolder) -> AdaptedModel:
-    """The folder's model on the run's device."""
-    return folder.load(trust_remote_code=config.trust_remote_code, device=resolve_device(config.device))
+    """The folder's model on the run's device, called as --family says when given."""
+    adapted = folder.load(trust_remote_code=config.trust_remote_code, device=resolve_device(config.device))
+    return with_run_family(config, adapted)
+
+
+def with_run_family(config: DiagnoseConfig, adapted: AdaptedModel) -> AdaptedModel:
+    """`adapted` called by the run's --family instead of the family or depth keyword it says
+    (the family is part of its fingerprint, so a resume with another --family is refused)."""
+    if config.family is None:
+        return adapted
+    return replace(adapted, family=resolve_family(config.family), depth_kwarg="depth")
 
 
 def run_entries(config: DiagnoseConfig) -> list[Entry]:
@@ -328,6 +348,11 @@ def run_entries(config: DiagnoseConfig) -> list[Entry]:
         )
     if config.trust_remote_code and not folders:
         raise InputError("--trust-remote-code: only with --hf DIR or snapshot folders (it runs a model's own code)")
+    if config.family is not None and not folders:
+        raise InputError(
+            f"--family {config.family}: only with --hf DIR, --adapter or snapshot folders; snapshot files hold "
+            "depthdiag's own model, which is called as it trained"
+        )
     entries = _folder_entries(config) if folders else _file_entries(config)
     names = [e.name for e in entries]
     for entry in entries:
@@ -374,6 +399,7 @@ def _file_entries(config: DiagnoseConfig) -> list[Entry]:
                 batch_source="data" if carried is None else "snapshot",
                 config_json=snap.config.to_json(),
                 eval_set=eval_set,
+                trained_on=snap.trained_on,
             )
         )
         del snap

@@ -44,7 +44,8 @@ from diag.hf_trainer import (
 from trainer.data import BIN_DTYPES, WindowSource, open_bin_source
 from trainer.distributed import resolve_device
 from trainer.hf_export.writer import require_transformers
-from trainer.scoring import mean_nll_by_depth, output_logits
+from trainer.machine import machine
+from trainer.scoring import mean_nll_by_depth
 
 CONFIG_FILE = "config.json"
 
@@ -188,7 +189,7 @@ class ServedAtDepth(nn.Module):
 
     def forward(self, input_ids: Tensor, depth: int) -> Tensor:
         with common_random_numbers():
-            return output_logits(self.model(input_ids, **self.family.eval_call(depth)))
+            return self.family.logits(self.model(input_ids, **self.family.eval_call(depth)))
 
     def logits_by_depth(self, input_ids: Tensor, depths) -> Iterator[tuple[int, Tensor]]:
         for depth in sorted({int(d) for d in depths}):
@@ -252,6 +253,7 @@ def evaluate_hf(
             device=target,
             progress=progress,
             depth_call=family.eval_call,
+            logits_of=family.logits,
         )
     state = Path(source.folder) / STATE_FILE
     step = trainer_global_step(state) if state.is_file() else None
@@ -272,6 +274,7 @@ def evaluate_hf(
             "seq_len": source.tokens.seq_len,
             "eval_sequences": int(eval_tokens.shape[0]),
             **provenance(),
+            "machine": machine(target.type),
         },
     )
 

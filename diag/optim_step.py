@@ -2,8 +2,9 @@
 
     Delta(g) = theta' - theta, where theta' is what `optimizer.step()` would
     produce from (theta, S) with gradient g. Nothing real is stepped: every call
-    works on fresh fp32 clones of theta and of the optimizer state S, taken
-    once when the step is built.
+    works on fresh fp32 clones (float64 ones of float64 tensors) of theta and of
+    the optimizer state S, taken once when the step is built. Complex parameters
+    are refused: the diagnostic's gradients, norms and cosines are real.
 
 Adam and AdamW (torch.optim.Adam/AdamW) and SGD run torch's own functional
 kernels (`torch.optim.adam.adam`, `torch.optim.sgd.sgd`) with the param
@@ -38,10 +39,13 @@ def _as_float(value) -> float:
 
 
 def fp32_clone(t: Tensor) -> Tensor:
-    """An fp32 copy of `t`, of its local shard when `t` is sharded: the step is elementwise, so
-    each process steps its own shard and the shards together are the unsharded step to the bit."""
+    """An fp32 copy of `t` (float64 stays float64: a float64 model steps as torch steps it, not
+    rounded to fp32), of its local shard when `t` is sharded: the step is elementwise, so each
+    process steps its own shard and the shards together are the unsharded step to the bit."""
     t = local_part(t).detach()
-    return t.to(dtype=torch.float32, copy=True) if t.is_floating_point() else t.clone()
+    if not t.is_floating_point():
+        return t.clone()
+    return t.to(dtype=torch.promote_types(t.dtype, torch.float32), copy=True)
 
 
 @dataclass(frozen=True)
@@ -62,8 +66,6 @@ class OptimizerStep:
     def __init__(self, optimizer: torch.optim.Optimizer, lr: float | None):
         self.params: list[Tensor] = [p for group in optimizer.param_groups for p in group["params"]]
         """The real parameters, in flat order (read only)."""
-        self.theta: list[Tensor] = [fp32_clone(p) for p in self.params]
-        """fp32 clones of the parameters at construction."""
         self.groups: list[_Group] = []
         start = 0
         for group in optimizer.param_groups:
@@ -72,7 +74,23 @@ class OptimizerStep:
                 hyper["lr"] = float(lr)
             self.groups.append(_Group(start, start + len(group["params"]), hyper))
             start += len(group["params"])
+        for i, p in enumerate(self.params):
+            if p.is_complex():
+                # torch steps a complex parameter as its real and imaginary parts; the gradients,
+                # RMS and cosines the diagnostic builds around Delta are real, and would drop the latter.
+                dtype = str(p.dtype).removeprefix("torch.")
+                raise InputError(
+                    f"the optimizer's {self._name(i)} is {dtype}: the update diagnostic measures real "
+                    "parameters only (complex gradients, norms and cosines are not supported)"
+                )
+        self.theta: list[Tensor] = [fp32_clone(p) for p in self.params]
+        """fp32 (float64 for float64) clones of the parameters at construction."""
         self.optimizer_class = type(optimizer).__name__
+
+    def _name(self, i: int) -> str:
+        """Parameter i as an error names it: its index in the optimizer's state_dict, its group, its shape."""
+        group = next(j for j, g in enumerate(self.groups) if g.start <= i < g.stop)
+        return f"parameter {i} (param group {group}, {list(self.params[i].shape)})"
 
     @property
     def lrs(self) -> list[float]:
@@ -101,18 +119,18 @@ class OptimizerStep:
         kernels step every parameter independently, so one at a time is the step to the bit."""
         raise NotImplementedError
 
-    def linear(self, direction: Sequence[Tensor]) -> list[Tensor]:
-        """d/de Delta(e * direction) at e = 0 (fp32, flat order)."""
+    def linear(
+        self, direction: Sequence[Tensor], sum_over_ranks: Callable[[Tensor], Tensor] | None = None
+    ) -> list[Tensor]:
+        """d/de Delta(e * direction) at e = 0 (fp32, flat order); on a sharded model every rank
+        calls it with its shards and `sum_over_ranks`, which adds a tensor up over the ranks."""
         raise InputError(
             f"isolate='linear' needs the update rule written out; it supports Adam, AdamW "
             f"and SGD, not {self.optimizer_class}"
         )
 
-    def _jvp_at_zero(
-        self, direction: Sequence[Tensor], delta_of: Callable[[int, Tensor, dict], Tensor]
-    ) -> list[Tensor]:
-        """d/de delta_of(i, e * direction[i], hyper) at e = 0 for every parameter i."""
-        direction = self._check(direction)
+    def _jvp_at_zero(self, direction: list[Tensor], delta_of: Callable[[int, Tensor, dict], Tensor]) -> list[Tensor]:
+        """d/de delta_of(i, e * direction[i], hyper) at e = 0 for every parameter i (`direction` checked)."""
         out: list[Tensor] = []
         for g in self.groups:
             for i in range(g.start, g.stop):
@@ -127,7 +145,13 @@ class OptimizerStep:
     def _check(self, grads: Sequence[Tensor]) -> list[Tensor]:
         if len(grads) != len(self.theta):
             raise InputError(f"expected {len(self.theta)} gradients, got {len(grads)}")
-        return [g.detach().to(dtype=torch.float32, device=t.device) for g, t in zip(grads, self.theta)]
+        for i, g in enumerate(grads):
+            if g.is_complex():
+                # Converting it to the parameter's real dtype would drop its imaginary part.
+                raise InputError(
+                    f"gradient {i} is {str(g.dtype).removeprefix('torch.')}, its parameter real: gradients must be real"
+                )
+        return [g.detach().to(dtype=t.dtype, device=t.device) for g, t in zip(grads, self.theta)]
 
 
 class AdamStep(OptimizerStep):
@@ -144,10 +168,15 @@ class AdamStep(OptimizerStep):
     def _initial_state(state: dict, theta: Tensor, hyper: dict) -> dict[str, Tensor]:
         if state:
             return {k: (local_part(v).detach().clone() if k == "step" else fp32_clone(v)) for k, v in state.items()}
-        # torch's lazy initialisation (Adam._init_group): step on the CPU unless capturable/fused.
+        # torch's lazy initialisation (Adam._init_group): step on the CPU unless capturable/fused,
+        # in float64 under a float64 default dtype unless fused (torch.optim.optimizer._get_scalar_dtype);
+        # capturable Adam computes its bias corrections in the step's dtype.
         on_device = hyper.get("capturable") or hyper.get("fused")
+        wide = torch.get_default_dtype() == torch.float64 and not hyper.get("fused")
         fresh = {
-            "step": torch.zeros((), dtype=torch.float32, device=theta.device if on_device else "cpu"),
+            "step": torch.zeros(
+                (), dtype=torch.float64 if wide else torch.float32, device=theta.device if on_device else "cpu"
+            ),
             "exp_avg": torch.zeros_like(theta),
             "exp_avg_sq": torch.zeros_like(theta),
         }
@@ -156,6 +185,11 @@ class AdamStep(OptimizerStep):
         return fresh
 
     def _parameter_delta(self, i: int, grad: Tensor, hyper: dict) -> Tensor:
+        param, _ = self._stepped(i, grad, hyper)
+        return param.sub_(self.theta[i])
+
+    def _stepped(self, i: int, grad: Tensor, hyper: dict) -> tuple[Tensor, dict[str, Tensor]]:
+        """Parameter i and its state after torch's step with gradient `grad`, on clones."""
         param = self.theta[i].clone()
         state = {k: v.clone() for k, v in self.state[i].items()}
         beta1, beta2 = hyper["betas"]
@@ -179,12 +213,50 @@ class AdamStep(OptimizerStep):
             eps=hyper["eps"],
             maximize=hyper.get("maximize", False),
         )
-        return param.sub_(self.theta[i])
+        return param, state
 
-    def linear(self, direction: Sequence[Tensor]) -> list[Tensor]:
+    def linear(
+        self, direction: Sequence[Tensor], sum_over_ranks: Callable[[Tensor], Tensor] | None = None
+    ) -> list[Tensor]:
+        direction = self._check(direction)
+        self._refuse_where_not_linear(direction, sum_over_ranks)
         return self._jvp_at_zero(
             direction, lambda i, grad, hyper: adam_delta(self.theta[i], grad, self.state[i], hyper)
         )
+
+    def _refuse_where_not_linear(
+        self, direction: list[Tensor], sum_over_ranks: Callable[[Tensor], Tensor] | None
+    ) -> None:
+        """InputError where Delta has no first-order term on the gradient's scale: where the second
+        moment the step divides by is 0 after torch's own step with a zero gradient and the direction
+        d is not 0. There v(e) = (1 - b2) e^2 d^2, so the denominator is |e d| sqrt((1 - b2) / bc2) + eps:
+        Delta(e d) is about -lr sign(e d) (times bias corrections) once |e d| is far above eps, and its
+        slope at 0, lr (1 - b1) / (bc1 eps), holds only below that; where momentum is left there, the
+        |e| makes a kink and there is no slope at all. On a sharded model every rank counts its
+        shards and `sum_over_ranks` adds the counts up, so that all ranks refuse together."""
+        counts: dict[int, int] = {}
+        for g in self.groups:
+            for i in range(g.start, g.stop):
+                _, state = self._stepped(i, torch.zeros_like(direction[i]), g.hyper)
+                second_moment = state["max_exp_avg_sq" if g.hyper.get("amsgrad") else "exp_avg_sq"]
+                count = int(torch.count_nonzero((second_moment == 0) & (direction[i] != 0)))
+                if count:
+                    counts[i] = count
+        total = sum(counts.values())
+        if sum_over_ranks is not None:
+            total = int(sum_over_ranks(torch.tensor(float(total), dtype=torch.float64, device=self.theta[0].device)))
+        if total:
+            names = ", ".join(self._name(i) for i in list(counts)[:3]) + (
+                f" and {len(counts) - 3} more" if len(counts) > 3 else ""
+            )
+            parameters = f"{len(counts)} parameter{'s' if len(counts) > 1 else ''} (the optimizer's {names})"
+            if not counts:
+                parameters = "parameters in other ranks' shards"
+            raise InputError(
+                f"isolate='linear': Adam's second moment at g = 0 is 0 where the gradient is not, at "
+                f"{total} values of {parameters}; there the step is "
+                "about -lr sign(g), not linear in g on the gradient's scale: use isolate='counterfactual'"
+            )
 
 
 def adam_delta(theta: Tensor, grad: Tensor, state: dict[str, Tensor], hyper: dict) -> Tensor:
@@ -213,8 +285,8 @@ def adam_delta(theta: Tensor, grad: Tensor, state: dict[str, Tensor], hyper: dic
 
 def _sqrt_flat_at_zero(v: Tensor) -> Tensor:
     """sqrt(v) whose derivative is 0 where v = 0 instead of inf * 0 = nan. Exact for the
-    linear term: the second moment is zero at g = 0 only where its derivative is zero too,
-    so the denominator there is the constant eps."""
+    linear term: `AdamStep.linear` refuses every value where v = 0 at g = 0 and the direction
+    is not 0, so where v = 0 here it stays 0 along the direction and the denominator is eps."""
     positive = v > 0
     return torch.where(positive, v, torch.ones_like(v)).sqrt() * positive
 
@@ -247,9 +319,11 @@ class SGDStep(OptimizerStep):
         )
         return param.sub_(self.theta[i])
 
-    def linear(self, direction: Sequence[Tensor]) -> list[Tensor]:
+    def linear(
+        self, direction: Sequence[Tensor], sum_over_ranks: Callable[[Tensor], Tensor] | None = None
+    ) -> list[Tensor]:
         return self._jvp_at_zero(
-            direction, lambda i, grad, hyper: sgd_delta(self.theta[i], grad, self.buffers[i], hyper)
+            self._check(direction), lambda i, grad, hyper: sgd_delta(self.theta[i], grad, self.buffers[i], hyper)
         )
 
 

@@ -50,7 +50,7 @@ from trainer.distributed import World, local_part, register_evaluation_methods, 
 from trainer.loss import counted_targets, forward_precision, summed_token_loss
 from trainer.model import LoopedTransformer
 from trainer.optim import build_optimizer
-from trainer.scoring import nll_by_depth, output_logits
+from trainer.scoring import nll_by_depth
 
 
 def sharded_snapshot(snap: Snapshot, world: World) -> tuple[LoopedTransformer, torch.optim.Optimizer]:
@@ -142,7 +142,7 @@ class ShardedUpdateDiagnostic(UpdateDiagnostic):
             with torch.enable_grad(), common_random_numbers(), _module_mode(self.model, training=True):
                 with forward_precision(self.device.type, self.options.precision):
                     output = self.model(rows[:, :-1], **self.family.gradient_call(depth))
-                loss_sum = summed_token_loss(output_logits(output), rows[:, 1:])
+                loss_sum = summed_token_loss(self.family.logits(output), rows[:, 1:])
                 (loss_sum / (count / self.world_size)).backward()
             _check_gradient_coverage(trainable, [self._params[n].grad for n in trainable], depth)
             grads = [
@@ -201,7 +201,14 @@ class ShardedUpdateDiagnostic(UpdateDiagnostic):
                 if count == 0 and r < len(mine):
                     rows, targets = chunks[0][:2]  # no counted target: its NLL is NaN, weight 0
                 with torch.no_grad():
-                    nll = nll_by_depth(self.model, rows[:, :-1], targets, depths, depth_call=self.family.eval_call)
+                    nll = nll_by_depth(
+                        self.model,
+                        rows[:, :-1],
+                        targets,
+                        depths,
+                        depth_call=self.family.eval_call,
+                        logits_of=self.family.logits,
+                    )
                 if count:
                     total += nll.double() * count
         return (self.sum_over_ranks(total) / sum(self._chunk_counts)).cpu().numpy()

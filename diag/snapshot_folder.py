@@ -54,6 +54,7 @@ from common.outputs import OutputKind, check_output, json_file, only_entries
 from common.provenance import provenance
 from diag.adapter import AdaptedModel
 from diag.families import SHIPPED, ModelFamily, resolve_family
+from trainer.machine import machine
 from trainer.model import LoopedTransformer
 from trainer.tensor_files import naming_write_errors, unshared_tensors
 
@@ -144,7 +145,7 @@ def read_hyperparameter(value: Any) -> Any:
 def _family_record(family: ModelFamily | str | None) -> tuple[ModelFamily | None, dict | None]:
     """(the family object, how snapshot.json records it). A plain ModelFamily is recorded by its
     fields, so it loads without importing anything; a subclass (its own gradient_call or
-    eval_call) only by the MODULE:NAME it was named as."""
+    eval_call) or a family whose logits_from is a function only by the MODULE:NAME it was named as."""
     if family is None:
         return None, None
     spec = family if isinstance(family, str) else None
@@ -153,10 +154,16 @@ def _family_record(family: ModelFamily | str | None) -> tuple[ModelFamily | None
     if not isinstance(family, ModelFamily):
         raise InputError(f"family must be a diag.families.ModelFamily, a name or MODULE:NAME, got {family!r}")
     if type(family) is not ModelFamily:
+        holds_code = f"a {type(family).__name__}, a subclass of ModelFamily"
+    elif callable(family.logits_from):
+        holds_code = "a family whose logits_from is a function"
+    else:
+        holds_code = None
+    if holds_code is not None:
         if spec is None:
             raise InputError(
-                f"family {family.name!r} is a {type(family).__name__}, a subclass of ModelFamily, which a snapshot "
-                "folder can name but not store: pass it as family='MODULE:NAME'"
+                f"family {family.name!r} is {holds_code}, which a snapshot folder can name but not store: "
+                "pass it as family='MODULE:NAME'"
             )
         return family, {"import": spec}
     record = json.loads(json.dumps(asdict(family)))
@@ -419,6 +426,8 @@ def save_snapshot(
         "tokens": {key: list(tensor.shape) for key, tensor in tokens.items()},
         "provenance": {
             **provenance(),
+            # The machine of the loop that saved it: what trained the model, as far as it knows.
+            "machine": machine(next(model.parameters()).device.type),
             **(
                 {"transformers_version": sys.modules["transformers"].__version__}
                 if model_entry["source"] == "hf"

@@ -18,6 +18,7 @@ from analysis.store import open_results
 from common.errors import InputError
 from depthdiag.cli import main
 from diag.adapter import AdaptedModel, load_adapter, parse_adapter_args
+from diag.families import ModelFamily
 
 VOCAB, SEQ = 40, 10
 UPDATE_DEPTHS, SERVING = (1, 4), (1, 2, 3, 6)
@@ -238,3 +239,22 @@ def test_figure4_of_an_adapters_results_draws_only_what_applies(tmp_path):
     assert panel.get_xlabel() == "serving depth"
     result = CliRunner().invoke(main, ["plot", str(out), "--out", str(tmp_path / "huginn.png")])
     assert result.exit_code == 0, result.output
+
+
+STEPS = ModelFamily("steps", depth_kwarg="num_steps")
+"""How HuginnStyle takes its depth, as a family --family names."""
+
+
+def test_family_calls_an_adapters_model_in_place_of_the_keyword_it_says(tmp_path):
+    depths = ["--update-depths", "1,4", "--serving", "1-3,6", "--no-progress"]
+    said = ["--adapter", f"{__name__}:huginn", "--adapter-arg", "depth_kwarg=num_steps", *depths]
+    assert cli(*said, "--out", tmp_path / "said.h5")[0] == 0
+    wrong = ["--adapter", f"{__name__}:huginn", "--adapter-arg", "depth_kwarg=depth", *depths]
+    assert "takes no keyword 'depth'" in one_line_error(*wrong, out=tmp_path / "wrong.h5")
+    code, _, err = cli(*wrong, "--family", f"{__name__}:STEPS", "--out", tmp_path / "family.h5")
+    assert code == 0, err
+    said, family = open_results(tmp_path / "said.h5"), open_results(tmp_path / "family.h5")
+    assert family.attrs["model_family"] == "steps" and family.attrs["backprop"] == "full backprop"
+    assert '"model_family": "steps"' in family.attrs["config"]
+    for name in ("nll", "nll_before", "benefit", "update_rms"):
+        np.testing.assert_array_equal(family[name].values, said[name].values, err_msg=name)

@@ -25,7 +25,7 @@ import diag
 from analysis.store import open_results
 from common.errors import InputError
 from depthdiag.cli import main
-from diag.families import HUGINN
+from diag.families import HUGINN, ModelFamily
 from diag.snapshot_folder import DOCUMENT, OPTIMIZER_STATE
 from diag.snapshot_loading import load_snapshot_folder
 from trainer.model import LoopedTransformer, ModelConfig
@@ -167,6 +167,45 @@ def test_a_plain_modules_snapshot_diagnoses_as_compare_updates_on_the_live_model
     assert_same_model_and_optimizer(load_snapshot_folder(huginn.folder), huginn.model, huginn.optimizer)
     code, summary, err = cli("summarize", out)
     assert code == 0 and "huginn-step3" in summary, err
+
+
+def test_family_calls_a_folders_model_in_place_of_the_family_it_carries(huginn, tmp_path, monkeypatch):
+    (tmp_path / "folder_families.py").write_text(
+        "from diag.families import ModelFamily\n"
+        "FULL = ModelFamily('huginn-full', depth_kwarg='num_steps', pair_depth=True)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "r.h5"
+    diagnose(huginn.folder, "--family", "folder_families:FULL", "--out", out)
+    ds = open_results(out)
+    assert ds.attrs["model_family"] == "huginn-full" and ds.attrs["backprop"] == "full backprop"
+    full = ModelFamily("huginn-full", depth_kwarg="num_steps", pair_depth=True)
+    assert_units_equal(
+        ds, 0, huginn.model, huginn.optimizer, huginn.batches, huginn.eval_tokens, family=full, grad_clip=0.5
+    )
+    # The family is part of the input: the same one resumes the finished run, the folder's own is another run.
+    depths = ("--update-depths", "2,10", "--serving", "1,4,10", "--no-progress", "--resume")
+    assert cli("diagnose", huginn.folder, "--family", "folder_families:FULL", "--out", out, *depths)[0] == 0
+    code, _, err = cli("diagnose", huginn.folder, "--out", out, *depths)
+    assert code == 2 and "already exists" in err, err
+
+
+def test_a_folder_stores_a_familys_logits_from_and_names_a_function_only_by_module(huginn, tmp_path):
+    inputs = (huginn.model, huginn.optimizer, huginn.batches, huginn.eval_tokens)
+    factory = {"model_factory": f"{__name__}:build_huginn", "factory_kwargs": {"vocab": VOCAB, "d": 24}}
+    by_key = ModelFamily("by-key", depth_kwarg="num_steps", pair_depth=True, backprop_depth=8, logits_from="logits")
+    diag.save_snapshot(tmp_path / "a", *inputs, step=3, family=by_key, **factory)
+    assert load_snapshot_folder(tmp_path / "a").family == by_key
+    by_function = ModelFamily("by-function", depth_kwarg="num_steps", pair_depth=True, logits_from=output_logits)
+    with pytest.raises(InputError, match=r"is a family whose logits_from is a function, which a snapshot folder can"):
+        diag.save_snapshot(tmp_path / "b", *inputs, step=3, family=by_function, **factory)
+
+
+def test_family_is_refused_for_snapshot_files(tmp_path):
+    (tmp_path / "x.pt").write_bytes(b"")
+    code, _, err = cli("diagnose", tmp_path / "x.pt", "--family", "huginn", "--out", tmp_path / "r.h5")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--family huginn: only with --hf DIR, --adapter or snapshot folders; snapshot files hold" in err, err
 
 
 def test_a_looped_transformer_with_tied_weights_and_sgd_round_trips_and_several_folders_diagnose_together(tmp_path):

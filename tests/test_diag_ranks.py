@@ -3,6 +3,7 @@ CPU write the results file one process writes, resume an interrupted run, and st
 on a non-finite unit. Every run here is a subprocess with one thread, so that the float
 reductions of one process and of each rank group the same way."""
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -117,3 +118,15 @@ def test_models_handed_over_whole_are_refused_under_torchrun(run, tmp_path, monk
     with pytest.raises(InputError, match="--adapter: under torchrun only snapshot or checkpoint files"):
         diagnose(config)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_random_forwards_units_are_the_same_in_one_process_and_on_two_ranks(tmp_path):
+    """A model that draws its initial state in its forward (tests/random_start_worker.py): every
+    unit's NLLs and benefit, computed by whichever rank the unit goes to, equal one process's."""
+    script = REPO / "tests" / "random_start_worker.py"
+    for ranks in (1, 2):
+        result = run_depthdiag(tmp_path / f"ranks{ranks}.json", ranks=ranks, script=script)
+        assert result.returncode == 0, result.stderr[-3000:]
+    one, two = (json.loads((tmp_path / f"ranks{ranks}.json").read_text()) for ranks in (1, 2))
+    assert one == two and len(one) == 4

@@ -21,6 +21,7 @@ from common.errors import InputError
 from diag.engine import (
     BiasCorrectionWarning,
     DiagnosticOptions,
+    UnchangedByDepthWarning,
     UpdateDiagnostic,
     bias_correction_message,
     global_cosine,
@@ -304,7 +305,7 @@ def test_compare_updates_leaves_model_and_optimizer_bitwise_unchanged():
         diag.compare_updates(
             model,
             opt,
-            tokens(4, 5),
+            seen_batch(),  # linear refuses tokens whose embedding rows have v = 0
             tokens(4, 6),
             update_depths=UPDATE_DEPTHS,
             serving_depths=(1, 3),
@@ -414,7 +415,11 @@ def test_trainable_parameters_without_a_gradient_are_refused_naming_them():
     model.unused.requires_grad_(True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     diagnostic = UpdateDiagnostic(model, opt, tokens(5, 10), DiagnosticOptions(depth_kwarg="num_steps"))
-    with pytest.raises(InputError, match=r"^1 of 6 trainable parameters get no gradient at update depth 3 \(unused\)"):
+    with pytest.raises(
+        InputError,
+        match=r"^1 of 6 trainable parameters get no gradient at update depth 3 \(unused\); they get none at depth 1 "
+        r"either: the loss never reaches them .*; freeze them \(requires_grad=False\)",
+    ):
         diagnostic.gradient(tokens(4, 9), 3)
 
 
@@ -437,7 +442,9 @@ def test_a_loop_run_without_gradient_is_refused_not_filled_with_zeros():
     model = NoGradLoop()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with pytest.raises(
-        InputError, match=r"get no gradient at update depth 4 \(embed\); usually the model runs its loop"
+        InputError,
+        match=r"get no gradient at update depth 4 \(embed\); they get one at depth 1: only the last iterations of "
+        r"the forward carry gradient .* backprop_depth=k\) without pair_depth",
     ):
         diag.compare_updates(
             model,
@@ -463,8 +470,8 @@ def test_a_depth_keyword_the_forward_ignores_is_refused():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with pytest.raises(
         InputError,
-        match=r"depth_kwarg='depth': SwallowsKeywords's output is the same at depth=1 and 4"
-        r".*accepts num_steps, \*\*kwargs",
+        match=r"depth_kwarg='depth': SwallowsKeywords's output is the same at depth=1 and 4, and stays the same "
+        r"with every weight perturbed, so the keyword does not set its depth .*accepts num_steps, \*\*kwargs",
     ):
         diag.compare_updates(model, opt, tokens(4, 9), tokens(5, 10), update_depths=(1, 4), serving_depths=(1, 2))
     ds = diag.compare_updates(
@@ -504,6 +511,79 @@ def test_a_random_forward_is_reproducible_and_leaves_the_callers_rng_alone():
     assert results[0].attrs["random_forward"] == 1
 
 
+def test_a_random_forwards_numbers_do_not_depend_on_the_depths_asked_for_or_the_evaluation_batch_size():
+    """Each (sequence, depth) draws its own noise: the benefit at depth 8 is the same whether 8 is
+    asked for alone or after 1-7, and whether the 12 rows go in chunks of 12 or of 5."""
+    torch.manual_seed(0)
+    model = RandomStart()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    trained(model, opt, 3, depth_kwarg="num_steps")
+    batch, eval_tokens = tokens(4, 9), tokens(12, 10)
+
+    def unit(serving_depths, eval_batch_size):
+        return diag.compare_updates(
+            model,
+            opt,
+            batch,
+            eval_tokens,
+            update_depths=(2, 6),
+            serving_depths=serving_depths,
+            depth_kwarg="num_steps",
+            eval_batch_size=eval_batch_size,
+        )
+
+    every_depth = unit(range(1, 9), 12)
+    for other in (unit((8,), 12), unit(range(1, 9), 5), unit((3, 8), 1)):
+        for name in ("nll", "nll_before", "benefit"):
+            np.testing.assert_array_equal(
+                other[name].sel(serving_depth=8).values, every_depth[name].sel(serving_depth=8).values, err_msg=name
+            )
+    assert every_depth.attrs["random_forward"] == 1
+    assert np.abs(every_depth.benefit.values).max() > 1e-4  # the depths' updates differ measurably
+
+
+class ZeroInitResidual(nn.Module):
+    """A looped model as freshly initialised: every iteration adds a residual branch whose output
+    projection is zero, so the state, and the output, are the same at every depth."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d)
+        self.inner = nn.Linear(d, d)
+        self.out = nn.Linear(d, d)
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+        self.head = nn.Linear(d, VOCAB)
+
+    def forward(self, input_ids, num_steps):
+        state = self.embed(input_ids)
+        for _ in range(num_steps):
+            state = state + self.out(torch.tanh(self.inner(state)))
+        return self.head(state)
+
+
+def test_a_model_that_does_not_use_its_depth_yet_is_diagnosed_with_a_warning():
+    torch.manual_seed(0)
+    model = ZeroInitResidual()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(
+        UnchangedByDepthWarning,
+        match=r"^ZeroInitResidual's output is the same at num_steps=1 and 4 at these weights, though num_steps sets "
+        r"its depth \(with the weights perturbed the output changes with it\): the model does not use its depth yet",
+    ):
+        ds = diag.compare_updates(
+            model,
+            opt,
+            tokens(4, 9),
+            tokens(5, 10),
+            update_depths=(1, 4),
+            serving_depths=(1, 4),
+            depth_kwarg="num_steps",
+        )
+    assert ds.nll_before.values[0] == ds.nll_before.values[1]  # alike before the update
+    assert ds.nll.values[1, 0] != ds.nll.values[1, 1]  # the update makes the depths differ
+
+
 def test_evaluation_weights_chunks_by_token_count():
     model, opt = adamw_setup(steps=1)
     eval_tokens = tokens(7, 11)
@@ -527,7 +607,7 @@ def test_linear_isolation_and_bf16_gradients_run():
     ds = diag.compare_updates(
         model,
         opt,
-        tokens(4, 14),
+        seen_batch(),
         tokens(4, 15),
         update_depths=UPDATE_DEPTHS,
         serving_depths=(1, 2),

@@ -1,5 +1,7 @@
 """Model families (diag/families.py): a Huginn-convention model is refused when called raw and
-diagnosed correctly through its family, against an independent recomputation in plain torch."""
+diagnosed correctly through its family, and a model that truncates backprop in its own forward
+and returns a tuple is diagnosed through a family that says both, each against an independent
+recomputation in plain torch."""
 
 import copy
 import math
@@ -8,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from huginn_convention import HuginnConvention
+from huginn_convention import HuginnConvention, Output
 
 import diag
 from common.errors import InputError
-from diag.engine import CRN_SEED, BiasCorrectionWarning
+from diag.engine import CRN_SEED, BiasCorrectionWarning, sequence_seed
 from diag.families import DEPTHDIAG, HUGINN, ModelFamily, detect_family, resolve_family
 
 VOCAB, SEQ = 48, 10
@@ -73,19 +75,16 @@ def reference_update(model, optimizer, batch, depth):
 
 
 def reference_nll(model, eval_tokens):
+    """A random forward is evaluated sequence by sequence, each (sequence, depth) forward from its
+    sequence's stream; every row counts SEQ targets, so the NLL is the mean of the rows' means."""
     model = model.eval()
+    nll = np.zeros((len(eval_tokens), len(SERVING)))
     with torch.no_grad():
-        torch.manual_seed(CRN_SEED)  # one stream for the whole evaluation, depth after depth
-        return np.array(
-            [
-                float(
-                    F.cross_entropy(
-                        model(eval_tokens[:, :-1], num_steps=s).logits.flatten(0, 1), eval_tokens[:, 1:].flatten()
-                    )
-                )
-                for s in SERVING
-            ]
-        )
+        for i, row in enumerate(eval_tokens):
+            for j, s in enumerate(SERVING):
+                torch.manual_seed(sequence_seed(i))
+                nll[i, j] = float(F.cross_entropy(model(row[None, :-1], num_steps=s).logits[0], row[1:]))
+    return nll.mean(axis=0)
 
 
 def reference_unit(model, optimizer, batch, eval_tokens):
@@ -120,7 +119,12 @@ def diagnose(model, optimizer, batch, eval_tokens, **kwargs):
 
 def test_called_raw_the_huginn_convention_is_refused_for_its_missing_gradients():
     model, optimizer = trained_model()
-    with pytest.raises(InputError, match=r"^\d+ of \d+ trainable parameters get no gradient at update depth 3 .*"):
+    with pytest.raises(
+        InputError,
+        match=r"^\d+ of \d+ trainable parameters get no gradient at update depth 3 \(.*\); the forward runs its loop "
+        r"without gradient for an integer num_steps and with gradient for a pair .* through a pair-depth family: "
+        r"family=diag.families.HUGINN \(--family huginn\)",
+    ):
         diagnose(model, optimizer, tokens(4, 1), tokens(6, 2), depth_kwarg="num_steps")
 
 
@@ -190,10 +194,163 @@ def test_families_resolve_by_name_by_module_and_by_model_type(tmp_path, monkeypa
         ({"name": "a b"}, "must be a short name"),
         ({"name": "x", "depth_kwarg": "1x"}, "depth_kwarg must be a keyword name"),
         ({"name": "x", "backprop_depth": 0, "pair_depth": True}, "backprop_depth must be >= 1"),
-        ({"name": "x", "backprop_depth": 4}, "needs pair_depth=True"),
+        ({"name": "x", "logits_from": True}, "logits_from must be an index, a key or attribute name, or a function"),
+        ({"name": "x", "logits_from": ""}, "logits_from must not be an empty name"),
         ({"name": "x", "forward_kwargs": (("depth", 1),)}, "must not set the depth keyword"),
     ],
 )
 def test_a_malformed_family_is_one_line(fields, problem):
     with pytest.raises(InputError, match=problem):
         ModelFamily(**fields)
+
+
+# --- a model that truncates backprop in its own forward and returns a tuple -------------------
+
+BPTT_K = 4
+TRUNCATED_DEPTHS = (3, 9)
+"""3 <= BPTT_K: the gradient flows through every iteration; 9 > BPTT_K: through the last 4 only."""
+
+
+class TruncatingLoop(torch.nn.Module):
+    """A looped LM as codebases with a `bptt_k` setting write one: `forward(ids, n_loops=K)` runs K
+    iterations and detaches the state before the last `bptt_k`, so only they carry gradient; the
+    initial state is a learned projection of the embedding (`start` acts in the first iteration
+    only); the embedding is injected at every iteration; it returns the tuple (logits, state)."""
+
+    def __init__(self, vocab=VOCAB, d=16, bptt_k=BPTT_K):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.start = torch.nn.Linear(d, d)
+        self.step = torch.nn.Linear(2 * d, d)
+        self.norm = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, vocab)
+        self.bptt_k = bptt_k
+
+    def forward(self, input_ids, n_loops):
+        embedded = self.embed(input_ids)
+        state = self.start(embedded)
+        for i in range(n_loops):
+            if i == n_loops - self.bptt_k:
+                state = state.detach()
+            state = torch.tanh(self.step(torch.cat((state, embedded), dim=-1)))
+        return self.head(self.norm(state)), state
+
+
+TRUNCATING = ModelFamily("truncating", depth_kwarg="n_loops", backprop_depth=BPTT_K, logits_from=0)
+
+
+def trained_truncating():
+    torch.manual_seed(0)
+    model = TruncatingLoop()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=WEIGHT_DECAY)
+    for step in range(4):
+        batch = tokens(4, 200 + step)
+        logits, _ = model(batch[:, :-1], n_loops=2 + 3 * step)
+        F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def truncated_reference_update(model, optimizer, batch, depth):
+    """u_K = Delta(g_K) - Delta(0) from a real backward through the model's own truncation; a
+    parameter it leaves without gradient steps with zero in both, as it gets none in training."""
+    graded = copy.deepcopy(model).train()
+    logits, _ = graded(batch[:, :-1], n_loops=depth)
+    F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
+    torch.nn.utils.clip_grad_norm_(graded.parameters(), CLIP)
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in graded.parameters()]
+    with_gradient = reference_step(model, optimizer, grads)
+    with_zero = reference_step(model, optimizer, [torch.zeros_like(g) for g in grads])
+    return [a - b for a, b in zip(with_gradient, with_zero)]
+
+
+def truncated_reference_unit(model, optimizer, batch, eval_tokens):
+    updates = [truncated_reference_update(model, optimizer, batch, depth) for depth in TRUNCATED_DEPTHS]
+    rms = [math.sqrt(sum(float(t.double().square().sum()) for t in u) / sum(t.numel() for t in u)) for u in updates]
+    nll = []
+    for u, r in zip(updates, rms):
+        updated = copy.deepcopy(model).eval()
+        with torch.no_grad():
+            for p, t in zip(updated.parameters(), u):
+                p.add_(t * (rms[0] / r))
+            nll.append(
+                [
+                    float(
+                        F.cross_entropy(
+                            updated(eval_tokens[:, :-1], n_loops=s)[0].flatten(0, 1), eval_tokens[:, 1:].flatten()
+                        )
+                    )
+                    for s in SERVING
+                ]
+            )
+    return np.array(nll), rms, updates
+
+
+def diagnose_truncating(model, optimizer, batch, eval_tokens, family):
+    return diag.compare_updates(
+        model,
+        optimizer,
+        batch,
+        eval_tokens,
+        update_depths=TRUNCATED_DEPTHS,
+        serving_depths=SERVING,
+        family=family,
+        grad_clip=CLIP,
+    )
+
+
+def test_a_forward_that_truncates_itself_and_returns_a_tuple_matches_a_plain_torch_recomputation():
+    model, optimizer = trained_truncating()
+    batch, eval_tokens = tokens(4, 1), tokens(6, 2)
+    ds = diagnose_truncating(model, optimizer, batch, eval_tokens, TRUNCATING)
+    nll, rms, updates = truncated_reference_unit(model, optimizer, batch, eval_tokens)
+    np.testing.assert_allclose(ds.nll.values, nll, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(ds.benefit.values, nll[0] - nll[-1], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(ds.update_rms.values, rms, rtol=1e-6)
+    start = [name for name, _ in model.named_parameters()].index("start.weight")
+    assert updates[0][start].abs().max() > 0 and updates[1][start].abs().max() == 0  # cut off at depth 9
+    assert np.abs(nll[0] - nll[-1]).max() > 1e-4
+    assert ds.attrs["model_family"] == "truncating" and ds.attrs["random_forward"] == 0
+    assert ds.attrs["backprop"] == "backprop through the last 4 iterations, truncated by the model's own forward"
+
+
+def test_a_truncating_forward_without_backprop_depth_is_refused_with_that_fix():
+    model, optimizer = trained_truncating()
+    unsaid = ModelFamily("unsaid", depth_kwarg="n_loops", logits_from=0)
+    with pytest.raises(
+        InputError,
+        match=r"^2 of 9 trainable parameters get no gradient at update depth 9 \(start\); they get one at depth 1: "
+        r"only the last iterations of the forward carry gradient .* ModelFamily\(\.\.\., depth_kwarg='n_loops', "
+        r"backprop_depth=k\) without pair_depth",
+    ):
+        diagnose_truncating(model, optimizer, tokens(4, 1), tokens(6, 2), unsaid)
+    # A backprop depth above the forward's own truncation is refused the same way.
+    overstated = ModelFamily("overstated", depth_kwarg="n_loops", backprop_depth=9, logits_from=0)
+    with pytest.raises(InputError, match=r"at update depth 9 \(start\); they get one at depth 1"):
+        diagnose_truncating(model, optimizer, tokens(4, 1), tokens(6, 2), overstated)
+
+
+def test_logits_from_an_index_a_key_an_attribute_or_a_function():
+    logits = torch.zeros(1, 2, 3)
+    output = Output(logits)
+    assert ModelFamily("a", logits_from=0).logits((logits, "state")) is logits
+    assert ModelFamily("a", logits_from="scores").logits({"scores": logits}) is logits
+    assert ModelFamily("a", logits_from="logits").logits(output) is logits
+    assert ModelFamily("a", logits_from=lambda out: out[1]).logits(("state", logits)) is logits
+    assert ModelFamily("a").logits(output) is logits  # the default: a tensor, or .logits
+    with pytest.raises(InputError, match=r"^model family a: logits_from=0, but the forward returned a tensor, not a"):
+        ModelFamily("a", logits_from=0).logits(logits)
+    with pytest.raises(InputError, match=r"logits_from=2, but the forward returned a tuple without it"):
+        ModelFamily("a", logits_from=2).logits((logits, "state"))
+    with pytest.raises(InputError, match=r"logits_from='scores', but the forward returned a Output without that key"):
+        ModelFamily("a", logits_from="scores").logits(output)
+    with pytest.raises(InputError, match=r"logits_from=1 gives a str, not a tensor of logits"):
+        ModelFamily("a", logits_from=1).logits((logits, "state"))
+
+
+def test_a_tuple_output_without_logits_from_is_named():
+    model, optimizer = trained_truncating()
+    plain = ModelFamily("plain", depth_kwarg="n_loops", backprop_depth=BPTT_K)
+    with pytest.raises(InputError, match=r"the model's forward returned a tuple, not a tensor of logits"):
+        diagnose_truncating(model, optimizer, tokens(4, 1), tokens(6, 2), plain)

@@ -24,7 +24,7 @@ def make_params(seed=0, dtype=torch.float32):
 
 ADAM_LINEAR_ATOL = 1e-8
 """Under L2 decay on the first step the two terms of Adam's slope nearly cancel (to ~lr * eps / |wd theta|);
-the fp32 jvp keeps ~1e-9 of that. Slopes elsewhere are ~1e-3 (trained) to ~1e3 (fresh, v = 0)."""
+the fp32 jvp keeps ~1e-9 of that. Slopes elsewhere are ~1e-3."""
 
 ZERO_GRAD = 1
 """Index of the parameter whose gradient is zero in `random_grads`."""
@@ -255,7 +255,12 @@ def test_adam_and_adamw_step_like_torch_with_amsgrad_and_maximize(kind, maximize
     assert_equal_lists(delta_g, torch_step_delta(opt, grads))
     assert_equal_lists(delta_0, torch_step_delta(opt, zero))
     assert_close_lists(delta_g, reference_adam(opt, grads))
-    assert_close_lists(step.linear(grads), reference_adam_linear(opt, grads), rtol=1e-4, atol=ADAM_LINEAR_ATOL)
+    if steps:
+        assert_close_lists(step.linear(grads), reference_adam_linear(opt, grads), rtol=1e-4, atol=ADAM_LINEAR_ATOL)
+    else:
+        # A fresh state's second moment is 0 (test_linear_is_refused_where_the_step_has_no_first_order_term).
+        with pytest.raises(InputError, match="^isolate='linear': "):
+            step.linear(grads)
     # adam_delta, the rule the linear term differentiates, is the step itself, not only its slope.
     thetas = [p.detach() for p in flat_params(opt)]
     states = [opt.state[p] if steps else fresh_adam_state(p) for p in flat_params(opt)]
@@ -438,7 +443,7 @@ def test_a_wrong_number_of_gradients_is_an_input_error(kind):
             step.linear(random_grads(params, 22) + [torch.zeros(1)])
 
 
-@pytest.mark.parametrize("steps", [0, 3])
+@pytest.mark.parametrize("steps", [1, 3])
 def test_adamw_linear_term_matches_closed_form(steps):
     params, opt = trained("adamw", steps)
     direction = random_grads(params, 14)
@@ -447,9 +452,7 @@ def test_adamw_linear_term_matches_closed_form(steps):
     flat = flat_params(opt)
     assert len(linear) == len(flat)
     for p, d, lin in zip(flat, direction, linear):
-        state = opt.state.get(p, {})
-        v = state["exp_avg_sq"] if state else torch.zeros_like(p)
-        t = (float(state["step"]) if state else 0.0) + 1
+        v, t = opt.state[p]["exp_avg_sq"], float(opt.state[p]["step"]) + 1
         # At g = 0 the second moment does not move to first order: only m' = (1 - b1) d does.
         expected = -LR * (1 - b1) / (1 - b1**t) * d / ((b2 * v / (1 - b2**t)).sqrt() + EPS)
         torch.testing.assert_close(lin, expected, rtol=1e-4, atol=1e-9)
@@ -505,3 +508,158 @@ def test_subclass_of_adamw_is_not_assumed_to_step_like_adamw():
 
     params = make_params()
     assert isinstance(optimizer_step(Custom(params, lr=LR)), DeepCopyStep)
+
+
+@pytest.fixture
+def float64_default():
+    """torch's default dtype float64 for one test, the previous one restored however it ends."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@pytest.mark.parametrize("steps", [0, 3])
+def test_float64_parameters_step_in_float64_like_torch(float64_default, steps):
+    params, opt = trained("adamw", steps, dtype=torch.float64)
+    step = optimizer_step(opt)
+    grads = random_grads(params, 23)
+    # torch's own AdamW on deep copies of the float64 parameters and state, nothing converted.
+    clones = [p.detach().clone().requires_grad_() for p in params]
+    stepped = copy.deepcopy(opt, {id(p): c for p, c in zip(params, clones)})
+    for c, g in zip(clones, grads):
+        c.grad = g.clone()
+    stepped.step()
+    for i, (delta, c, p) in enumerate(zip(step.delta(grads), clones, params)):
+        assert delta.dtype == torch.float64
+        assert torch.equal(delta, c.detach() - p.detach())  # torch's own kernel, in float64: to the bit
+        # A fresh state is the one torch initialises: its step count in float64 under this default too.
+        assert step.state[i]["step"].dtype == stepped.state[c]["step"].dtype
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="capturable Adam steps on CUDA only")
+def test_a_fresh_capturable_step_counts_in_float64_under_a_float64_default(float64_default):
+    # Capturable Adam computes its bias corrections from the step tensor in its own dtype: a float32
+    # count would round them to fp32 where torch, under this default, keeps them in float64.
+    params = [torch.nn.Parameter(p.detach().cuda()) for p in make_params(dtype=torch.float64)]
+    opt = build("adamw", groups(params), capturable=True)
+    grads = [g.cuda() for g in random_grads(params, 28)]
+    clones = [p.detach().clone().requires_grad_() for p in params]
+    stepped = copy.deepcopy(opt, {id(p): c for p, c in zip(params, clones)})
+    for c, g in zip(clones, grads):
+        c.grad = g.clone()
+    stepped.step()
+    for delta, c, p in zip(optimizer_step(opt).delta(grads), clones, params):
+        assert torch.equal(delta, c.detach() - p.detach())
+
+
+def complex_case(kind):
+    """Params whose third (param group 1) is complex64, an optimizer over them, gradients with imaginary parts."""
+    params = make_params()
+    real = params[2].detach()
+    params[2] = torch.nn.Parameter(torch.complex(real, real.flip(0)))
+    grads = random_grads(params, 24)
+    grads[2] = torch.complex(grads[2].real, -grads[2].real.flip(0))
+    return params, build(kind, groups(params)), grads
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd", "rmsprop"])
+def test_complex_parameters_are_refused_naming_them(kind):
+    params, opt, grads = complex_case(kind)
+    # torch's own step moves the imaginary part, which a real Delta(g) would drop.
+    clones = [p.detach().clone().requires_grad_() for p in params]
+    stepped = copy.deepcopy(opt, {id(p): c for p, c in zip(params, clones)})
+    for c, g in zip(clones, grads):
+        c.grad = g
+    stepped.step()
+    assert not torch.equal(clones[2].detach().imag, params[2].detach().imag)
+    with pytest.raises(InputError, match=r"^the optimizer's parameter 2 \(param group 1, \[5\]\) is complex64: "):
+        optimizer_step(opt)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd", "rmsprop"])
+def test_a_complex_gradient_of_a_real_parameter_is_refused(kind):
+    params, opt = trained(kind, 1)
+    step = optimizer_step(opt)
+    grads = random_grads(params, 25)
+    grads[3] = grads[3] * (1 + 1j)
+    isolations = [step.delta, step.counterfactual] + ([step.linear] if kind != "rmsprop" else [])
+    for isolation in isolations:
+        with pytest.raises(InputError, match=r"^gradient 3 is complex64, its parameter real: gradients must be real$"):
+            isolation(grads)
+
+
+LINEAR_REFUSAL = r"^isolate='linear': Adam's second moment at g = 0 is 0 where the gradient is not, at "
+
+
+@pytest.mark.parametrize(
+    "kind, refused",
+    [
+        (
+            "adamw",
+            r"38 values of 3 parameters \(the optimizer's parameter 0 \(param group 0, \[6, 5\]\), "
+            r"parameter 2 \(param group 1, \[5\]\), parameter 3 \(param group 2, \[3\]\)\)",
+        ),
+        # L2 decay: the decayed parameters' moments see wd * theta at g = 0, the undecayed vector nothing.
+        ("adam", r"5 values of 1 parameter \(the optimizer's parameter 2 \(param group 1, \[5\]\)\)"),
+    ],
+    ids=["adamw", "adam-l2"],
+)
+def test_linear_is_refused_where_the_step_has_no_first_order_term(kind, refused):
+    params, opt = trained(kind, 0)
+    grads = random_grads(params, 26)
+    # A fresh AdamW's v = 0: torch's own update is about -lr sign(g) at any gradient far above eps,
+    # the same for half the gradient; Delta(e g) bends on the scale |e g| ~ eps, so its slope at 0
+    # (lr / eps) says nothing about the update.
+    zero = [torch.zeros_like(p) for p in params]
+    if kind == "adamw":
+        updates = [
+            [a - b for a, b in zip(torch_step_delta(opt, [g * scale for g in grads]), torch_step_delta(opt, zero))]
+            for scale in (1.0, 0.5)
+        ]
+        assert_close_lists(updates[1], updates[0])
+    with pytest.raises(InputError, match=LINEAR_REFUSAL + refused + r"; .* use isolate='counterfactual'$"):
+        optimizer_step(opt).linear(grads)
+
+
+def test_the_linear_refusal_names_three_parameters_and_counts_the_rest():
+    params, opt = trained("adamw", 0)
+    with pytest.raises(InputError, match=LINEAR_REFUSAL + r"50 values of 4 parameters \(.*\[5\]\) and 1 more\);"):
+        optimizer_step(opt).linear(random_grads(params, 29, zero=False))
+
+
+def test_linear_term_where_the_second_moment_is_zero_and_so_is_the_gradient():
+    # Parameter ZERO_GRAD got zero gradients in training: its state exists with v = 0.
+    params = make_params()
+    opt = build("adamw", groups(params))
+    for seed in range(100, 103):
+        for p, g in zip(params, random_grads(params, seed)):
+            p.grad = g
+        opt.step()
+    assert not opt.state[params[ZERO_GRAD]]["exp_avg_sq"].any()
+    step = optimizer_step(opt)
+    direction = random_grads(params, 27)
+    # Zero where v = 0 too: the step does not move there along the direction, so the term is exact.
+    assert_close_lists(step.linear(direction), reference_adam_linear(opt, direction), rtol=1e-4, atol=ADAM_LINEAR_ATOL)
+    direction[ZERO_GRAD][0, :2] = 0.01
+    with pytest.raises(InputError, match=LINEAR_REFUSAL + r"2 values of 1 parameter \(the optimizer's parameter 1 "):
+        step.linear(direction)
+
+
+def test_the_linear_refusal_is_decided_over_every_ranks_shards():
+    # Sharded, each rank checks its shards: a count on another rank refuses here too, so that no
+    # rank goes on into a collective the others have left.
+    params = make_params()
+    opt = build("adamw", groups(params))
+    for seed in range(100, 103):
+        for p, g in zip(params, random_grads(params, seed)):
+            p.grad = g
+        opt.step()
+    step = optimizer_step(opt)
+    direction = random_grads(params, 27)
+    direction[ZERO_GRAD].zero_()  # nothing refused in this rank's shards
+    step.linear(direction, sum_over_ranks=lambda total: total)
+    with pytest.raises(InputError, match=LINEAR_REFUSAL + r"3 values of parameters in other ranks' shards;"):
+        step.linear(direction, sum_over_ranks=lambda total: total + 3)

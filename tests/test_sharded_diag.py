@@ -61,7 +61,8 @@ def case(tmp_path_factory):
             ),
             "eval_tokens": eval_tokens,
             "eval_mask": eval_mask,
-            "batch": tokens(6, 3),
+            # Rows the updates trained on: isolate='linear' refuses tokens whose embedding rows have v = 0.
+            "batch": torch.cat([tokens(4, 100), tokens(4, 101)])[:6],
             "options": OPTIONS,
         },
         path,

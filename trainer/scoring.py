@@ -36,6 +36,9 @@ once per forward, so that each forward can get fresh copies of buffers it may wr
 DepthCall = Callable[[int], dict[str, Any]]
 """The forward's keywords for serving at a depth (a model family's `eval_call`)."""
 
+LogitsOf = Callable[[Any], Tensor]
+"""The logits in a forward's output (a model family's `logits`; default `output_logits`)."""
+
 
 def depth_keyword(depth: int) -> dict[str, Any]:
     """This project's convention: `model(input_ids, depth=K)`."""
@@ -68,7 +71,13 @@ class NllByDepth(nn.Module):
 
 
 def _forward_per_depth(
-    model: nn.Module, input_ids: Tensor, depths: Sequence[int], *, state: StateFn | None, depth_call: DepthCall
+    model: nn.Module,
+    input_ids: Tensor,
+    depths: Sequence[int],
+    *,
+    state: StateFn | None,
+    depth_call: DepthCall,
+    logits_of: LogitsOf = output_logits,
 ) -> Iterator[tuple[int, Tensor]]:
     """(depth, logits [B, T, V]) from one forward per depth, in the order given: the
     fallback for models without a one-pass readout."""
@@ -78,7 +87,7 @@ def _forward_per_depth(
             output = model(input_ids, **kwargs)
         else:
             output = torch.func.functional_call(model, state(), (input_ids,), kwargs)
-        yield depth, output_logits(output)
+        yield depth, logits_of(output)
 
 
 def logits_by_depth(model: nn.Module, input_ids: Tensor, depths: Sequence[int]) -> Iterator[tuple[int, Tensor]]:
@@ -99,11 +108,12 @@ def nll_by_depth(
     *,
     state: StateFn | None = None,
     depth_call: DepthCall = depth_keyword,
+    logits_of: LogitsOf = output_logits,
 ) -> Tensor:
     """Mean token NLL of `targets` [B, T] (IGNORE_INDEX skipped) given `input_ids` [B, T]
     at each depth, float32 [len(depths)] in the order given: from one pass of the model's
-    `nll_by_depth` when it has one, otherwise one forward per depth. With `state`, the
-    model runs with those weights instead of its own."""
+    `nll_by_depth` when it has one, otherwise one forward per depth (`logits_of` finding the
+    logits in each output). With `state`, the model runs with those weights instead of its own."""
     depths = list(depths)
     if callable(getattr(model, "nll_by_depth", None)):
         if state is None:
@@ -113,7 +123,9 @@ def nll_by_depth(
     return torch.stack(
         [
             F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
-            for _, logits in _forward_per_depth(model, input_ids, depths, state=state, depth_call=depth_call)
+            for _, logits in _forward_per_depth(
+                model, input_ids, depths, state=state, depth_call=depth_call, logits_of=logits_of
+            )
         ]
     )
 
@@ -136,6 +148,7 @@ def mean_nll_by_depth(
     counts: Sequence[int] | None = None,
     state: StateFn | None = None,
     depth_call: DepthCall = depth_keyword,
+    logits_of: LogitsOf = output_logits,
     device: str | torch.device | None = None,
     progress: bool = False,
 ) -> Tensor:
@@ -144,7 +157,7 @@ def mean_nll_by_depth(
 
     `tokens` int64 [N, T+1] give the inputs tokens[:, :-1]; the targets are tokens[:, 1:]
     or `targets` [N, T] (e.g. with some masked to IGNORE_INDEX). Chunks of `batch_size`
-    rows go through `nll_by_depth` (with `state`, `depth_call`); each chunk's mean is
+    rows go through `nll_by_depth` (with `state`, `depth_call`, `logits_of`); each chunk's mean is
     weighted by its counted targets (`counts`, from `chunk_counts` when not given) and
     accumulated in float64."""
     device = tokens.device if device is None else torch.device(device)
@@ -158,7 +171,9 @@ def mean_nll_by_depth(
         if count == 0:
             continue
         rows, chunk_targets = rows.to(device), chunk_targets.to(device)  # [b, T+1], [b, T]
-        nll = nll_by_depth(model, rows[:, :-1], chunk_targets, depths, state=state, depth_call=depth_call)
+        nll = nll_by_depth(
+            model, rows[:, :-1], chunk_targets, depths, state=state, depth_call=depth_call, logits_of=logits_of
+        )
         total += nll.double() * count
     return total / sum(counts)
 

@@ -134,12 +134,15 @@ def diagnose(
     no_progress: bool,
     hf,
     trust_remote_code: bool,
+    family: str | None,
 ) -> None:
     """Compare single updates at several depths from each SNAPSHOT (snapshot or checkpoint
     files of one run, or snapshot folders any training loop wrote with diag.save_snapshot;
     --trust-remote-code runs the code of a folder's Hugging Face model), from a Hugging Face
     model folder (--hf DIR, on batches of --data), or from the model an --adapter function
-    returns, on its batches; write nll, benefit and update statistics to OUT.
+    returns, on its batches; write nll, benefit and update statistics to OUT. A snapshot folder
+    and an adapter's model say how they are called at a depth (their model family); --family
+    says it in their place.
 
     \b
     Benefit(s) = NLL after the first depth's update - NLL after the last depth's update,
@@ -180,6 +183,7 @@ def diagnose(
         max_depth=max_depth,
         progress=not no_progress,
         trust_remote_code=trust_remote_code,
+        family=family,
     )
     written = run_diagnose(config)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 wrote it

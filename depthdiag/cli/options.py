@@ -100,7 +100,8 @@ _hf_model_declarations = (
         default=None,
         metavar="NAME|MODULE:NAME",
         help="How to call the --hf model at a depth: depthdiag, huginn, or a diag.families.ModelFamily of "
-        "your own [default: from config.json's model_type].",
+        "your own [default: from config.json's model_type]. diagnose: also in place of the family a snapshot "
+        "folder or an --adapter's model says.",
     ),
     click.option(
         "--trust-remote-code",
@@ -163,9 +164,9 @@ def hf_input_options(*, training: bool = False, tokens: bool = True, snapshot_fo
     """--hf DIR and what a model folder needs besides (its family, remote code; with `tokens` the
     token data; with `training` the batch size, optimizer alternative, clipping and precision of
     the gradients), handed to the command as one `hf`: a diag.hf.HfInput, or None without --hf.
-    With `snapshot_folders` the command also gets `trust_remote_code` of its own without --hf,
-    for the model of a snapshot folder (diagnose SNAPSHOT_DIR); with --hf it is False there,
-    the flag being the folder's in `hf`."""
+    With `snapshot_folders` the command also gets `trust_remote_code` and `family` of its own
+    without --hf, for the model of a snapshot folder or an adapter (diagnose SNAPSHOT_DIR); with
+    --hf they are False and None there, the folder's being in `hf`."""
 
     def decorate(command):
         @functools.wraps(command)
@@ -176,13 +177,14 @@ def hf_input_options(*, training: bool = False, tokens: bool = True, snapshot_fo
                 if key in kwargs
             }
             if hf_folder is None:
-                given = [name for name, value in (("--family", family), ("--data", data)) if value is not None]
+                given = ["--family"] if family is not None and not snapshot_folders else []
+                given += ["--data"] if data is not None else []
                 given += ["--trust-remote-code"] if trust_remote_code and not snapshot_folders else []
                 given += ["--estimate-optimizer"] if training_values.get("estimate_optimizer") is not None else []
                 if given:
                     raise InputError(f"{', '.join(given)}: only with --hf DIR (a Hugging Face model folder)")
                 if snapshot_folders:
-                    kwargs["trust_remote_code"] = trust_remote_code
+                    kwargs.update(trust_remote_code=trust_remote_code, family=family)
                 return command(*args, hf=None, **kwargs)
             from diag.hf import HfInput, TokenSpec
 
@@ -206,7 +208,7 @@ def hf_input_options(*, training: bool = False, tokens: bool = True, snapshot_fo
                 precision=training_values.get("precision", "fp32"),
             )
             if snapshot_folders:
-                kwargs["trust_remote_code"] = False
+                kwargs.update(trust_remote_code=False, family=None)
             return command(*args, hf=hf, **kwargs)
 
         declarations = (
