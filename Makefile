@@ -33,8 +33,19 @@ THREADS ?= 1
 # data: `snapshot`, the set each snapshot carries) or either by name. A named set's results
 # go to a folder of their own.
 EVAL_SET ?= auto
-RUNS := runs/$(NAME)
-RESULTS := results/$(NAME)$(if $(filter-out auto,$(EVAL_SET)),-$(EVAL_SET))
+# The kernels of bf16 autocast on a CPU: oneDNN picks them by the CPU's instructions, and
+# ONEDNN_MAX_CPU_ISA (on make's command line or in the environment) caps them, e.g.
+# AVX512_CORE_BF16: bf16 instructions without the bf16 matrix units (AMX), as a CPU that has
+# only those runs. Kernels round differently and a training run amplifies it, so a capped run's
+# runs and results go to folders of their own (make machines compares two kernel sets).
+ISA_SUFFIX := $(if $(ONEDNN_MAX_CPU_ISA),-isa-$(ONEDNN_MAX_CPU_ISA))
+ifneq ($(ONEDNN_MAX_CPU_ISA),)
+export ONEDNN_MAX_CPU_ISA
+else
+unexport ONEDNN_MAX_CPU_ISA
+endif
+RUNS := runs/$(NAME)$(ISA_SUFFIX)
+RESULTS := results/$(NAME)$(ISA_SUFFIX)$(if $(filter-out auto,$(EVAL_SET)),-$(EVAL_SET))
 SEED_RESULTS := $(foreach seed,$(SEEDS),$(RESULTS)/seed$(seed).h5)
 # Generated figures go to results/ (ignored); figures/ holds the committed reference.
 FIGURE := $(RESULTS)/figure4.png
@@ -47,8 +58,8 @@ TRAINER_SOURCES := $(filter-out trainer/corpus.py trainer/lm_harness.py trainer/
 DIAG_SOURCES := $(wildcard diag/*.py) depthdiag/cli/diagnose.py
 ANALYSIS_SOURCES := $(wildcard analysis/*.py analysis/*/*.py) depthdiag/cli/results.py
 
-.PHONY: setup figure4 figure4-files figure-map summary reference sensitivity monitor test test-slow mutants bench flops clean corpus lint \
-  figure1 figure2 figure3-loss figure5 table3 finishing-phase
+.PHONY: setup figure4 figure4-files figure-map summary reference sensitivity machines monitor test test-slow mutants bench \
+  flops clean corpus lint golden figure1 figure2 figure3-loss figure5 table3 finishing-phase
 .DELETE_ON_ERROR:
 
 setup: $(VENV)/.installed
@@ -98,6 +109,23 @@ reference: $(FIGURE) $(SUMMARY)
 	cp $(FIGURE) figures/figure4.png
 	cp $(SUMMARY) figures/figure4-summary.txt
 	cp $(RESULTS)/summary.json figures/figure4-summary.json
+
+# Figure 4 under a second kernel set on this machine beside the native one (each its own runs
+# and results), then both side by side: each kernel set's benefit and verdicts per snapshot,
+# one seed's spread across kernel sets beside the spread across seeds, and how many seeds each
+# verdict needs to come out the same on either (docs/results.md). make machines [OTHER_ISA=...]
+OTHER_ISA ?= AVX512_CORE_BF16
+OTHER_RESULTS := $(foreach seed,$(SEEDS),results/$(NAME)-isa-$(OTHER_ISA)/seed$(seed).h5)
+MACHINES := results/$(NAME)-machines.md
+
+machines: $(VENV)/.installed
+	$(MAKE) --no-print-directory -j $(JOBS) figure4-files ONEDNN_MAX_CPU_ISA=
+	$(MAKE) --no-print-directory -j $(JOBS) figure4-files ONEDNN_MAX_CPU_ISA=$(OTHER_ISA)
+	$(MAKE) --no-print-directory $(MACHINES) ONEDNN_MAX_CPU_ISA=
+	cat $(MACHINES)
+
+$(MACHINES): $(SEED_RESULTS) $(OTHER_RESULTS) $(ANALYSIS_SOURCES)
+	$(DEPTHDIAG) machines $(SEED_RESULTS) $(OTHER_RESULTS) > $@.tmp && mv $@.tmp $@
 
 # Which update depth helps which serving depth: updates at every depth of MAP_UPDATE_DEPTHS
 # (the first is the reference) from the switch and 16-update snapshots of figure4's runs,
@@ -259,6 +287,12 @@ $(VENV)/.installed-eval: $(VENV)/.installed pyproject.toml
 
 test: $(VENV)/.installed-eval
 	$(PY) -m pytest -q
+
+# The golden run's numbers (tests/golden_run.py) against tests/golden/golden.json; an intended
+# numeric change rewrites them: make golden GOLDEN_OPTIONS=--write (and a line in docs/log.md).
+GOLDEN_OPTIONS ?=
+golden: $(VENV)/.installed
+	OMP_NUM_THREADS=1 $(PY) tests/golden_run.py $(GOLDEN_OPTIONS)
 
 # Formatting and lint rules: pyproject.toml [tool.ruff]. `ruff format .` applies the format.
 lint: $(VENV)/.installed

@@ -15,12 +15,12 @@ import math
 import os
 from collections.abc import Sequence
 
+from analysis.finishing import interval_at
 from analysis.stats import (
     Interval,
     IntervalOptions,
     depth_averaged_benefit,
     format_bounds,
-    interval_at,
     interval_coverage,
     method_name,
     plural,

@@ -170,7 +170,7 @@ def depth_averaged_benefit(
     depth is left out), then the interval is over batches, or over per-seed means
     when `ds` has `seed_dim`. Returns mean/lower/upper/n over `snapshot`.
     """
-    units, unit_dim = replication_units(_depth_averaged_per_batch(ds), seed_dim=seed_dim)
+    units, unit_dim = replication_units(depth_averaged_per_batch(ds), seed_dim=seed_dim)
     intervals = interval_over(units, unit_dim, options=options)
     return _describe(intervals, ds, unit_dim, options)
 
@@ -191,7 +191,7 @@ def benefit_by_depth(
     return _describe(intervals, ds, unit_dim, options)
 
 
-def _depth_averaged_per_batch(ds: xr.Dataset) -> xr.DataArray:
+def depth_averaged_per_batch(ds: xr.Dataset) -> xr.DataArray:
     """Each batch's benefit averaged over serving depths (NaN when any depth is missing)."""
     return ds["benefit"].mean("serving_depth", skipna=False)
 
@@ -214,7 +214,7 @@ def batch_noise(
     contains the latter, so batch noise is negligible when the latter is a small
     fraction of the former.
     """
-    per_batch = _depth_averaged_per_batch(ds)
+    per_batch = depth_averaged_per_batch(ds)
     seeded = seed_dim in per_batch.dims
     if not seeded:
         per_batch = per_batch.expand_dims({seed_dim: [0]})
@@ -237,6 +237,32 @@ def batch_noise(
     )
     result.attrs = {"level": options.level, "method": options.method, "seeded": int(seeded)}
     return result
+
+
+def per_seed_benefits(
+    ds: xr.Dataset, *, options: IntervalOptions = IntervalOptions(), seed_dim: str = "seed"
+) -> dict[str, list[dict]] | None:
+    """Per snapshot, each seed's depth-averaged benefit: its mean over batches and the interval
+    over those batches (batch noise only), as {snapshot: [{seed, mean, lower, upper, n}]}, so a
+    rerun can be compared seed by seed. None for a single file (no seeds)."""
+    if seed_dim not in ds.dims:
+        return None
+    per_seed = interval_over(depth_averaged_per_batch(ds), "batch", options=options)
+    return {
+        str(snapshot): [
+            {
+                "seed": int(seed),
+                "mean": float(row["mean"]),
+                "lower": float(row["lower"]),
+                "upper": float(row["upper"]),
+                "n": int(row["n"]),
+            }
+            for seed, row in (
+                (seed, per_seed.sel({seed_dim: seed, "snapshot": snapshot})) for seed in ds[seed_dim].values
+            )
+        ]
+        for snapshot in ds["snapshot"].values
+    }
 
 
 def interval_coverage(unit: str) -> str:
@@ -308,7 +334,10 @@ def format_bounds(lower: float, upper: float, *, missing: str = "n/a (too few un
 
 def describe_intervals(rows: list[dict], *, level: float = 0.95, method: Method = "t") -> str:
     """The lines that say which interval the summary's headline is and what it covers."""
-    unit = rows[0]["unit"] if rows else "batch"
+    if not rows:
+        # summary_text prints the table's header alone then: say so rather than name an interval.
+        return "headline: none (no snapshots to summarise)"
+    unit = rows[0]["unit"]
     counts = sorted({row["n"] for row in rows})
     n = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     headline = f"headline: {level:.0%} {method_name(method)} CI {interval_coverage(unit)}, n = {n} {plural(unit)}"
@@ -350,7 +379,7 @@ def format_csv(rows: list[dict]) -> str:
     return buffer.getvalue()
 
 
-# --- the finishing phase ------------------------------------------------------------------
+# --- an interval as a value -------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,164 +398,6 @@ class Interval:
 
     def describe(self) -> str:
         return f"{self.mean:+.4f} {format_bounds(self.lower, self.upper)} over {self.n} {plural(self.unit, self.n)}"
-
-
-def decay_point(uniform_updates, values, *, fraction: float = 0.05) -> int | None:
-    """The first uniform-update count from which `values` stay below `fraction` x their switch value.
-
-    `values` run along `uniform_updates`, which must contain 0 (the switch). "Stays"
-    means every later snapshot is below too, so a dip followed by a rebound does not
-    count. None when the switch value is not positive (there is no benefit to decay)
-    or the values never settle below within the grid. A missing (NaN) value counts
-    as not below: the claim must rest on measured snapshots.
-    """
-    order = np.argsort(np.asarray(uniform_updates))
-    counts = np.asarray(uniform_updates)[order]
-    values = np.asarray(values, dtype=np.float64)[order]
-    if counts.size == 0 or counts[0] != 0:
-        raise InputError("no snapshot at the switch (0 uniform updates) to measure the decay from")
-    switch = values[0]
-    if not switch > 0:
-        return None
-    below = values < fraction * switch
-    for index in range(1, counts.size):
-        if below[index:].all():
-            return int(counts[index])
-    return None
-
-
-@dataclasses.dataclass(frozen=True)
-class SeedDecay:
-    """One seed's decay point (None: not within the grid, or no positive switch benefit); the
-    crossing itself lies in (`after`, `uniform_updates`], between two grid counts."""
-
-    seed: int
-    switch_value: float
-    uniform_updates: int | None
-    after: int | None
-
-
-@dataclasses.dataclass(frozen=True)
-class FinishingPhase:
-    """How long the finishing phase needs to be, read off a grid of snapshots after the switch.
-
-    `decay_updates` is where the seed-mean depth-averaged benefit falls below
-    `fraction` of its switch value for good (the true crossing lies after
-    `decay_after`, the previous grid count); `per_seed` repeats that per seed. The
-    crossings are grid brackets, censored at the grid's end, so no t-interval is formed
-    over them: their range is the spread. `first_zero_overlap` is the first snapshot
-    after the switch whose headline interval contains zero (None: none within the grid,
-    or no interval could be formed, `intervals_formed` False, with fewer than two units).
-    """
-
-    fraction: float
-    max_uniform_updates: int
-    switch: Interval
-    decay_updates: int | None
-    decay_after: int | None
-    per_seed: tuple[SeedDecay, ...]
-    first_zero_overlap: int | None
-    zero_overlap: Interval | None
-    intervals_formed: bool
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def interval_at(intervals: xr.Dataset, index: int) -> Interval:
-    """The Interval of row `index` along `snapshot` of `depth_averaged_benefit` output."""
-    row = intervals.isel(snapshot=index)
-    return Interval(
-        mean=float(row["mean"]),
-        lower=float(row["lower"]),
-        upper=float(row["upper"]),
-        n=int(row["n"]),
-        unit=intervals.attrs["unit"],
-    )
-
-
-def finishing_phase(
-    ds: xr.Dataset,
-    *,
-    fraction: float = 0.05,
-    options: IntervalOptions = IntervalOptions(),
-    seed_dim: str = "seed",
-) -> FinishingPhase:
-    """The finishing-phase length from `ds`'s grid of snapshots (see `FinishingPhase`).
-
-    Raises ValueError when the grid has no snapshot at the switch.
-    """
-    intervals = depth_averaged_benefit(ds, options=options, seed_dim=seed_dim).sortby("uniform_updates")
-    counts = [int(u) for u in intervals["uniform_updates"].values]
-    decay = decay_point(counts, intervals["mean"].values, fraction=fraction)
-    per_seed: tuple[SeedDecay, ...] = ()
-    if seed_dim in ds.dims:
-        seed_means, _ = replication_units(_depth_averaged_per_batch(ds), seed_dim=seed_dim)
-        seed_means = seed_means.sortby("uniform_updates")
-        crossings = {
-            int(seed): decay_point(counts, seed_means.sel({seed_dim: seed}).values, fraction=fraction)
-            for seed in seed_means[seed_dim].values
-        }
-        per_seed = tuple(
-            SeedDecay(
-                seed=seed,
-                switch_value=float(seed_means.sel({seed_dim: seed}).values[0]),
-                uniform_updates=crossing,
-                after=_grid_before(counts, crossing),
-            )
-            for seed, crossing in crossings.items()
-        )
-    # From the first snapshot after the switch: the switch's own interval says nothing about decay.
-    after_switch = [interval_at(intervals, index) for index in range(1, len(counts))]
-    formed = any(np.isfinite(interval.lower) for interval in after_switch)
-    zero_index = next((index for index, interval in enumerate(after_switch, start=1) if interval.contains_zero()), None)
-    return FinishingPhase(
-        fraction=fraction,
-        max_uniform_updates=counts[-1],
-        switch=interval_at(intervals, 0),
-        decay_updates=decay,
-        decay_after=_grid_before(counts, decay),
-        per_seed=per_seed,
-        first_zero_overlap=counts[zero_index] if zero_index is not None else None,
-        zero_overlap=interval_at(intervals, zero_index) if zero_index is not None else None,
-        intervals_formed=formed,
-    )
-
-
-def _grid_before(counts: list[int], count: int | None) -> int | None:
-    """The grid count before `count` (None for None)."""
-    return counts[counts.index(count) - 1] if count is not None else None
-
-
-def format_finishing_phase(phase: FinishingPhase, *, level: float = 0.95) -> str:
-    """The finishing-phase lines of `summarize`."""
-    percent = f"{phase.fraction:.0%}"
-    within = f"none within {phase.max_uniform_updates}"
-    if phase.decay_updates is None:
-        reason = "" if phase.switch.mean > 0 else " (the switch benefit is not positive)"
-        decay = f"{within}{reason}"
-    else:
-        decay = f"{phase.decay_updates} uniform updates (after {phase.decay_after}; the grid brackets the crossing)"
-    lines = [
-        f"finishing phase: switch benefit {phase.switch.describe()}; "
-        f"mean benefit below {percent} of it for good from: {decay}"
-    ]
-    if phase.per_seed:
-        crossings = ", ".join(
-            f"seed {decay.seed}: {decay.uniform_updates if decay.uniform_updates is not None else within}"
-            for decay in phase.per_seed
-        )
-        found = [decay.uniform_updates for decay in phase.per_seed if decay.uniform_updates is not None]
-        spread = f"; range {min(found)}-{max(found)}" if found else ""
-        lines.append(f"  per seed: {crossings}{spread} (each crossing lies between its grid count and the one before)")
-    if phase.zero_overlap is not None:
-        zero = f"{phase.first_zero_overlap} uniform updates, benefit {phase.zero_overlap.describe()}"
-    elif not phase.intervals_formed:
-        zero = "n/a (no interval could be formed: fewer than two units)"
-    else:
-        zero = within
-    lines.append(f"finishing phase: first snapshot whose {level:.0%} CI contains zero: {zero}")
-    return "\n".join(lines)
 
 
 # --- the update-depth x serving-depth map ------------------------------------------------
@@ -612,7 +483,7 @@ def monitor_benefit_map(ds: xr.Dataset) -> xr.DataArray:
 def monitor_depth_averaged_benefit(ds: xr.Dataset, *, options: IntervalOptions = IntervalOptions()) -> xr.Dataset:
     """Per step of a monitor Dataset: the benefit averaged over serving depths within each
     batch, then mean/lower/upper/n over the check's batches (one run: batch noise only)."""
-    intervals = interval_over(_depth_averaged_per_batch(ds), "batch", options=options)
+    intervals = interval_over(depth_averaged_per_batch(ds), "batch", options=options)
     return _describe(intervals, ds, "batch", options)
 
 

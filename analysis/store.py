@@ -17,7 +17,9 @@ and `units` (CF style, DESCRIPTIONS). Attributes are str, int or float only, so 
 netCDF reader sees the same values; they include the run config, the diagnostic settings
 and the provenance: python_version, numpy_version, torch_version, depthdiag_version,
 git_commit and git_dirty (1 when the source tree had uncommitted changes, 0 when not,
-'unknown' without git).
+'unknown' without git), and what computed the numbers (MACHINE_ATTRS, JSON): `machine`, the
+machine and kernels of the diagnose run, and `trained_on`, those that trained its snapshots.
+Files combined as seeds keep these per seed, as string coordinates along `seed`.
 
 Files written before the seed coordinate and the descriptions existed open as well: a
 file's seed then comes from its `seed` attribute or its run config's train.seed, and the
@@ -53,6 +55,9 @@ VARIABLE_DIMS: dict[str, tuple[str, ...]] = {
     "update_cosine": ("snapshot", "batch"),
 }
 INDEX_COORDS = ("snapshot", "batch", "update_depth", "serving_depth")
+MACHINE_ATTRS = ("machine", "trained_on")
+"""The attributes that say which machine and kernels computed a file (JSON; trainer/machine.py
+records): they may differ between seeds, and are kept per seed when files are combined."""
 SNAPSHOT_COORDS = ("uniform_updates", "step")
 
 DESCRIPTIONS: dict[str, tuple[str, str]] = {
@@ -72,6 +77,8 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
     "lr": ("learning rate of the diagnosed update", "1"),
     "batch": ("diagnostic batch of the snapshot", "1"),
     "seed": ("training seed of the run", "1"),
+    "machine": ("machine and kernels that diagnosed the seed's file (JSON, trainer/machine.py)", "1"),
+    "trained_on": ("machines and kernels that trained the seed's snapshots (JSON list)", "1"),
 }
 """name -> (long_name, units) of every variable and coordinate a results file may hold; the
 monitor file (analysis/monitor.py) shares the entries of the variables both hold."""
@@ -372,7 +379,8 @@ def combine_seeds(datasets, sources, *, seed_dim: str = "seed") -> xr.Dataset:
     has one, else 0..n-1. The `lr`
     coordinate, when present, becomes (seed, snapshot): seeds may have been
     diagnosed at different learning rates, which the summary warns about.
-    Attributes shared by all files are kept; the rest are dropped.
+    Attributes shared by all files are kept; the rest are dropped, but for MACHINE_ATTRS,
+    which become coordinates along `seed_dim` ('' where a file has none).
     """
     first, first_path = datasets[0], sources[0]
     if seed_dim in first.dims:
@@ -403,4 +411,31 @@ def combine_seeds(datasets, sources, *, seed_dim: str = "seed") -> xr.Dataset:
         coords="minimal",
         compat="override",
     )
-    return describe_results(_canonical(combined.set_coords(per_seed_coords), seed_dim))
+    combined.attrs = {key: value for key, value in combined.attrs.items() if key not in MACHINE_ATTRS}
+    machines = {key: (seed_dim, [str(ds.attrs.get(key, "")) for ds in datasets]) for key in MACHINE_ATTRS}
+    combined = combined.set_coords(per_seed_coords).assign_coords(machines)
+    return describe_results(_canonical(combined, seed_dim))
+
+
+def machines_by_seed(ds: xr.Dataset, *, seed_dim: str = "seed") -> list[tuple[int | None, dict, list]]:
+    """(seed, the diagnosing machine, the machines that trained it) of each file of `ds`, as the
+    files record them (MACHINE_ATTRS): one entry for a single file (seed None without one), one
+    per seed for combined files; {} and [] where a file records none."""
+
+    def parsed(text, empty):
+        try:
+            return json.loads(text) if text else empty
+        except ValueError:
+            return empty
+
+    if seed_dim in ds.dims:
+        return [
+            (
+                int(seed),
+                parsed(str(ds["machine"].values[index]) if "machine" in ds.coords else "", {}),
+                parsed(str(ds["trained_on"].values[index]) if "trained_on" in ds.coords else "", []),
+            )
+            for index, seed in enumerate(ds[seed_dim].values)
+        ]
+    seed = int(ds[seed_dim]) if seed_dim in ds.coords else None
+    return [(seed, parsed(ds.attrs.get("machine", ""), {}), parsed(ds.attrs.get("trained_on", ""), []))]

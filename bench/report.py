@@ -10,6 +10,8 @@ import os
 import sys
 from pathlib import Path
 
+from common.provenance import describe_machine
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = ROOT / "bench" / "results.json"
 DEFAULT_REPORT = ROOT / "docs" / "performance.md"
@@ -40,10 +42,11 @@ def _heap_paragraph(heaps: list[dict]) -> str:
 def render(results: dict) -> str:
     machine = results["machine"]
     train, diag = results["train"], results["diag"]
+    kernels = describe_machine(machine["kernels"]) if "kernels" in machine else "not recorded (an older run)"
     lines = [
         f"From `make bench` on {results['date'][:10]}: {machine['cpu']}, {machine['cores']} cores, "
         f"{machine['torch_threads']} torch threads, torch {machine['torch']} "
-        f"(`bench/results.json` holds every number).",
+        f"(`bench/results.json` holds every number). Kernels: {kernels}.",
         "",
         "| benchmark | measured | target | holds |",
         "|---|---|---|---|",

@@ -40,23 +40,21 @@ def help_seconds(repeats: int = 5) -> float:
 
 
 def machine() -> dict:
+    """The machine of the run: its cores and platform, and the kernels torch ran (the record
+    results files carry, trainer/machine.py)."""
     import torch
 
-    cpu = "unknown"
-    if Path("/proc/cpuinfo").is_file():
-        names = [
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ]
-        cpu = names[0] if names else cpu
+    from trainer.machine import machine as kernels
+
+    record = kernels()
     return {
-        "cpu": cpu,
+        "cpu": record["cpu_model"],
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "platform": platform.platform(),
+        "kernels": record,
     }
 
 

@@ -1,5 +1,6 @@
 """Provenance: the versions and source state every results file records (depthdiag's own
-version, Python, numpy and torch, the git commit and whether the tree had uncommitted changes).
+version, Python, numpy and torch, the git commit and whether the tree had uncommitted changes),
+and the one-line description of a machine record (which trainer/machine.py probes, with torch).
 Torch-free: library versions come from the imported module when it is loaded and from the
 installed package's metadata otherwise, so `--version` stays fast."""
 
@@ -64,3 +65,32 @@ def provenance() -> dict[str, str | int]:
         "git_commit": _git_commit(),
         "git_dirty": _git_dirty(),
     }
+
+
+def describe_machine(record: dict | None) -> str:
+    """A machine record (trainer/machine.py) as one line: the CPU, torch's CPU kernel level, the
+    bf16 matmul oneDNN ran, the threads, the cap on oneDNN's ISA and the GPU where there are."""
+    if not record:
+        return "unknown (not recorded)"
+    matmul = record.get("bf16_matmul", "unknown")
+    units = " (bf16 matrix units)" if record.get("bf16_matrix_units") else ""
+    threads = record.get("threads")
+    parts = [
+        str(record.get("cpu_model", "unknown CPU")),
+        f"torch CPU kernels {record.get('torch_cpu_capability', 'unknown')}",
+        f"oneDNN {record.get('onednn_version', 'unknown')} bf16 matmul {matmul}{units}",
+    ]
+    if threads is not None:
+        parts.append(f"{threads} thread{'' if threads == 1 else 's'}")
+    if record.get("onednn_max_cpu_isa"):
+        parts.append(f"ONEDNN_MAX_CPU_ISA={record['onednn_max_cpu_isa']}")
+    if record.get("cuda_device"):
+        parts.append(f"CUDA {record['cuda_device']} (capability {record.get('cuda_capability', '?')})")
+    return "; ".join(parts)
+
+
+def describe_machines(records: list[dict] | tuple[dict, ...]) -> str:
+    """The machines that trained a run, in order, as one line ('unknown' when none is recorded)."""
+    if not records:
+        return describe_machine(None)
+    return " then ".join(describe_machine(record) for record in records)

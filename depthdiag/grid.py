@@ -655,6 +655,8 @@ def collect_grid(
     from analysis.grid import grid_dataset
     from common.provenance import provenance
     from trainer.data import build_source
+    from trainer.distributed import resolve_device
+    from trainer.machine import machine
 
     runs = Path(runs)
     cells = grid_cells(spec)
@@ -687,6 +689,8 @@ def collect_grid(
         "budget_match": spec.budget.match if spec.budget else "updates",
         "budget_reference": spec.budget.reference if spec.budget else "",
         **provenance(),
+        # The evaluating processes' machine: one thread each when several evaluate (_one_thread).
+        "machine": {**machine(resolve_device(device).type), **({"threads": 1} if jobs > 1 else {})},
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     data = cells[0].config.data

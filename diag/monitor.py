@@ -57,6 +57,7 @@ from diag.families import ModelFamily
 from trainer.config import RunConfig
 from trainer.data import TokenSource, build_source
 from trainer.distributed import is_sharded
+from trainer.machine import machine
 from trainer.optim import OPTIMIZER_CLASSES, lr_at
 from trainer.rng import process_rng_state, seeded_generator, set_process_rng_state
 from trainer.run_dir import MONITOR_FILE
@@ -311,6 +312,8 @@ class DepthMonitor:
         if "optimizer" not in self._attrs:
             self._attrs["optimizer"] = type(optimizer).__name__
         device = next(model.parameters()).device
+        # The machine whose kernels computed the checks; a resume elsewhere records its own.
+        self._attrs["machine"] = machine(device.type)
         with untouched_process_state(device):
             check = self.check(step, model, optimizer)
         if main_process():

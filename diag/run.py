@@ -62,7 +62,7 @@ from common.errors import InputError
 from common.lock import exclusive_output
 from common.outputs import OutputKind, refuse_inputs, refuse_unrecognized
 from common.progress import progress_bar
-from common.provenance import provenance
+from common.provenance import describe_machine, provenance
 from diag.engine import UpdateDiagnostic, bias_correction_message
 from diag.entries import DiagnoseConfig, Entry, adapted_diagnostic, load_folder, run_entries, snapshot_options
 from diag.evalset import evaluation_set
@@ -70,6 +70,7 @@ from diag.snapshot_loading import read_snapshot_folder
 from trainer.checkpoint import Snapshot, is_sharded_folder, load_snapshot
 from trainer.data import build_source
 from trainer.distributed import World, init_world, resolve_device, shutdown_world
+from trainer.machine import machine
 
 MANIFEST = "manifest.json"
 
@@ -83,8 +84,8 @@ RMS scales may be NaN for a zero update), with the words an error uses for them.
 
 def _manifest(config: DiagnoseConfig, entries: list[Entry], device: torch.device, world_size: int = 1) -> dict:
     """Everything that determines the results, to the last bit: a resumed run must agree
-    on all of it (the device too, as kernels differ in their rounding, and for a sharded run
-    the number of ranks, over which its sums are split)."""
+    on all of it (the device and the machine's kernels too, as kernels differ in their
+    rounding, and for a sharded run the number of ranks, over which its sums are split)."""
     settings = {
         k: v
         for k, v in asdict(config).items()
@@ -96,6 +97,7 @@ def _manifest(config: DiagnoseConfig, entries: list[Entry], device: torch.device
     return {
         "settings": settings,
         "device": device.type,
+        "machine": machine(device.type),
         "snapshots": [{"name": e.name, "sha256": e.sha256, "batches": e.batches} for e in entries],
     }
 
@@ -178,11 +180,17 @@ def _prepare(config: DiagnoseConfig, entries: list[Entry], manifest: dict, out: 
 
 def _resume_problem(stored: object, manifest: dict, parts: Path) -> str | None:
     """Why this run (`manifest`) cannot continue the unfinished one of `parts` (`stored`), None
-    when it can. The settings and device are the same; every snapshot with finished units
+    when it can. The settings, device and machine are the same; every snapshot with finished units
     is again one of the run's, the same file with the same batches. A snapshot without any
     (the one a non-finite unit stopped) may be left out or replaced: nothing of it is lost."""
     if not isinstance(stored, dict) or not isinstance(stored.get("snapshots"), list):
         return f"no readable {MANIFEST}"
+    if stored.get("machine") != manifest["machine"]:
+        # Units of two kernel sets in one file would mix their rounding, unrecorded.
+        return (
+            f"the unfinished run computed its units on {describe_machine(stored.get('machine'))}, "
+            f"this one would on {describe_machine(manifest['machine'])}"
+        )
     if {k: v for k, v in stored.items() if k != "snapshots"} != {k: v for k, v in manifest.items() if k != "snapshots"}:
         return "the unfinished run used other settings"
     for record in stored["snapshots"]:
@@ -396,6 +404,9 @@ def _assemble(config: DiagnoseConfig, entries: list[Entry], manifest: dict, part
         # stream, diag/engine.py CRN_SEED); units of runs from before the check count as 0.
         "random_forward": int(unit_attrs.get("random_forward", 0)),
         **provenance(),
+        # The machine of the units' kernels; what trained the snapshots, where they record it.
+        "machine": manifest["machine"],
+        "trained_on": _trained_on(entries),
         "snapshot_sha256": json.dumps({e.name: e.sha256 for e in entries}, sort_keys=True),
         "snapshot_paths": json.dumps({e.name: e.path for e in entries}, sort_keys=True),
         "batch_source": json.dumps({e.name: e.batch_source for e in entries}, sort_keys=True),
@@ -412,6 +423,14 @@ def _assemble(config: DiagnoseConfig, entries: list[Entry], manifest: dict, part
     ds = xr.Dataset(variables, coords=coords, attrs=attrs)
     ds["benefit"].attrs["description"] = benefit_description(config.update_depths[0], config.update_depths[-1])
     return describe_results(ds)
+
+
+def _trained_on(entries: list[Entry]) -> list[dict]:
+    """The distinct machines that trained the snapshots, in the order they first appear."""
+    machines: list[dict] = []
+    for entry in entries:
+        machines += [record for record in entry.trained_on if record not in machines]
+    return machines
 
 
 def _device(config: DiagnoseConfig, entries: list[Entry]) -> torch.device:

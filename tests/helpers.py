@@ -5,7 +5,8 @@
   (text_corpus, tiny_config, read_metrics, without_wall_time, Interrupt, assert_same_payload);
 - torchrun with gloo processes on the CPU (DDP_CONFIG, torchrun_train, run_depthdiag);
 - the toy bioS run of the figure-4 pipeline (TOY_CONFIG);
-- the short run whose snapshots the diagnostic reads (run_config, write_run and its depths).
+- the short run whose snapshots the diagnostic reads (run_config, write_run and its depths);
+- benefit Datasets for the statistics (benefit_results, hand_seeds) and scipy's t interval (scipy_t).
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import scipy.stats
 import torch
 import torch.nn.functional as F
+import xarray as xr
 
 from trainer.checkpoint import save_checkpoint, save_snapshot
 from trainer.config import DataConfig, OptimConfig, RunConfig, TrainConfig
@@ -232,6 +236,10 @@ def run_config(d_model=32):
     )
 
 
+TRAINING_MACHINE = {"cpu_model": "the machine that trained the test run", "bf16_matmul": "aten", "threads": 1}
+"""The machine record `write_run`'s snapshots say trained them."""
+
+
 def write_run(directory: Path, config=None):
     """Two snapshots (0 and 2 uniform updates) and a checkpoint of one short run."""
     config = config or run_config()
@@ -256,6 +264,7 @@ def write_run(directory: Path, config=None):
                 lr=7e-3,
                 batches=batches,
                 eval_tokens=eval_tokens,
+                trained_on=(TRAINING_MACHINE,),
             )
         batch = source.batch(config.train.seed, step, BATCH, SEQ)
         logits = model(batch[:, :-1], depth=2 + step % 3)
@@ -288,3 +297,43 @@ class TokenRows(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
+
+
+# --- benefit Datasets for the statistics ------------------------------------------------------
+
+
+def benefit_results(
+    benefit: np.ndarray, uniform_updates=None, seeded: bool = False, update_depths=(4, 16)
+) -> xr.Dataset:
+    """A Dataset with the coordinates the statistics read, around `benefit` [(seed,) snapshot, batch, depth]."""
+    dims = (("seed",) if seeded else ()) + ("snapshot", "batch", "serving_depth")
+    n_snapshots, n_batches, n_depths = benefit.shape[-3:]
+    uniform_updates = list(uniform_updates if uniform_updates is not None else range(n_snapshots))
+    coords = {
+        "snapshot": [f"s{u}" for u in uniform_updates],
+        "uniform_updates": ("snapshot", uniform_updates),
+        "step": ("snapshot", [1000 + u for u in uniform_updates]),
+        "batch": np.arange(n_batches),
+        "serving_depth": np.arange(1, n_depths + 1),
+        "update_depth": list(update_depths),
+    }
+    if seeded:
+        coords["seed"] = np.arange(benefit.shape[0])
+    return xr.Dataset({"benefit": (dims, benefit)}, coords=coords)
+
+
+def scipy_t(values, level=0.95):
+    values = np.asarray(values)
+    return scipy.stats.t.interval(level, len(values) - 1, loc=values.mean(), scale=scipy.stats.sem(values))
+
+
+def hand_seeds() -> xr.Dataset:
+    """3 seeds x 2 snapshots (0, 16 updates) x 2 batches x 2 serving depths, numbers chosen by hand.
+
+    At the switch the depth-averaged batch means are (2, 4), (1, 3), (3, 5): seed means
+    3, 2, 4. After 16 updates every seed's batch means are (+0.1, -0.1): seed means 0.
+    """
+    at_switch = [[[1.0, 3.0], [3.0, 5.0]], [[0.0, 2.0], [2.0, 4.0]], [[2.0, 4.0], [4.0, 6.0]]]
+    after = [[[0.0, 0.2], [-0.2, 0.0]]] * 3
+    benefit = np.stack([np.array(at_switch), np.array(after)], axis=1)  # [seed, snapshot, batch, depth]
+    return benefit_results(benefit, uniform_updates=[0, 16], seeded=True)

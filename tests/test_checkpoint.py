@@ -420,6 +420,8 @@ SNAPSHOT_EDITS = {
     "zero lr": (_set("lr", 0.0), "must be finite and > 0"),
     "inf group lr": (_set("optimizer", "param_groups", 0, "lr", float("inf")), "param group 0 lr is inf"),
     "nan eps": (_set("optimizer", "param_groups", 1, "eps", float("nan")), "param group 1 eps=nan"),
+    "machine records not a list": (_set("trained_on", "a CPU"), "'trained_on' must be a list of machine records"),
+    "nested machine record": (_set("trained_on", [{"cpu": {"model": "x"}}]), "'trained_on' must be a list"),
 }
 
 

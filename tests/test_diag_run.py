@@ -14,7 +14,7 @@ import pytest
 import torch
 import xarray as xr
 from click.testing import CliRunner
-from helpers import BATCH, CARRIED, SEQ, SERVING, UPDATE_DEPTHS, run_config, write_run
+from helpers import BATCH, CARRIED, SEQ, SERVING, TRAINING_MACHINE, UPDATE_DEPTHS, run_config, write_run
 
 import diag
 from analysis.store import open_results, write_dataset
@@ -84,6 +84,54 @@ def test_results_file_follows_the_schema_and_matches_compare_updates(run, tmp_pa
     assert set(json.loads(ds.attrs["snapshot_sha256"])) == {"snap-u00", "snap-u02"}
     assert "torch_version" in ds.attrs and "config" in ds.attrs and "created" in ds.attrs
     assert ds.lr.values.tolist() == [7e-3, 7e-3]
+
+
+def test_results_say_which_machines_trained_and_diagnosed_them(run, tmp_path):
+    from trainer.machine import machine
+
+    out = tmp_path / "results.h5"
+    config = DiagnoseConfig(
+        snapshots=(str(run[2]), str(run["checkpoint"])),
+        out=str(out),
+        update_depths=UPDATE_DEPTHS,
+        serving_depths=SERVING,
+        batches=1,
+        eval_set="snapshot",
+        progress=False,
+    )
+    diagnose(config)
+    ds = open_results(out)
+    assert json.loads(ds.attrs["machine"]) == machine("cpu")
+    # The snapshot names its training machine; the checkpoint, written without one, adds nothing.
+    assert json.loads(ds.attrs["trained_on"]) == [TRAINING_MACHINE]
+    assert json.loads(ds.attrs["diagnose_manifest"])["machine"] == machine("cpu")
+
+
+def test_a_resume_on_another_machine_is_refused_and_keeps_the_finished_units(run, tmp_path, monkeypatch):
+    import diag.run as run_module
+
+    args = [run[2], "--batches", 2, *SMALL]
+    out, parts = tmp_path / "r.h5", tmp_path / "r.h5.parts"
+    compare = diag.UpdateDiagnostic.compare
+    calls = []
+
+    def crash_after_one(self, batch):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return compare(self, batch)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(diag.UpdateDiagnostic, "compare", crash_after_one)
+        assert cli(*args, "--out", out).exit_code != 0
+    finished = listing(parts)
+    elsewhere = {**run_module.machine("cpu"), "bf16_matmul": "another kernel"}
+    monkeypatch.setattr(run_module, "machine", lambda device: elsewhere)
+    result = cli(*args, "--out", out, "--resume")
+    assert result.exit_code == 2
+    assert "the unfinished run computed its units on " in result.stderr
+    assert "bf16 matmul another kernel" in result.stderr
+    assert listing(parts) == finished and not out.exists()
 
 
 def test_checkpoints_draw_the_runs_next_batches(run, tmp_path):

@@ -23,8 +23,10 @@ from matplotlib.container import ErrorbarContainer  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from analysis.figures import figure4, plot_benefit_by_depth, plot_depth_averaged_benefit, save_figure  # noqa: E402
+from analysis.finishing import with_equivalence  # noqa: E402
 from analysis.stats import batch_noise, benefit_by_depth, depth_averaged_benefit, summary_table  # noqa: E402
 from analysis.store import open_results, write_dataset  # noqa: E402
+from common.provenance import describe_machine  # noqa: E402
 from depthdiag.cli import main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -168,7 +170,8 @@ def test_summarize_command(tmp_path):
     as_json = runner.invoke(main, ["summarize", str(path), "--json"])
     assert as_json.exit_code == 0, as_json.output
     document = json.loads(as_json.stdout)
-    assert document["rows"] == summary_table(open_results(path))
+    ds = open_results(path)
+    assert document["rows"] == with_equivalence(summary_table(ds), ds)
     assert document["headline"]["unit"] == "batch" and "batch noise only" in document["headline"]["covers"]
     assert document["finishing_phase"]["per_seed"] == [] and document["warnings"] == []
 
@@ -196,6 +199,61 @@ def test_summarize_seeds_reports_both_intervals_and_the_finishing_phase(tmp_path
     phase = document["finishing_phase"]
     assert [decay["seed"] for decay in phase["per_seed"]] == [0, 1, 2]
     assert phase["max_uniform_updates"] == 256 and phase["switch"]["unit"] == "seed"
+
+
+AMX = {
+    "cpu_model": "CPU A",
+    "torch_cpu_capability": "AVX512",
+    "bf16_matmul": "brg_matmul:avx10_1_512_amx",
+    "threads": 1,
+}
+NO_AMX = {**AMX, "bf16_matmul": "brg_matmul:avx512_core_bf16", "onednn_max_cpu_isa": "AVX512_CORE_BF16"}
+
+
+def test_summarize_names_the_machines_and_warns_when_they_differ(tmp_path):
+    paths = write_seeds(tmp_path, seeds=(0, 1, 2))
+    for path, trained in zip(paths, (AMX, AMX, NO_AMX)):
+        ds = open_results(path)
+        write_dataset(ds.assign_attrs(machine=json.dumps(AMX), trained_on=json.dumps([trained])), path)
+    runner = CliRunner()
+    same = runner.invoke(main, ["summarize", *map(str, paths[:2])])
+    assert same.exit_code == 0 and same.stderr == ""
+    assert same.stdout.splitlines()[-2:] == [
+        f"trained on: {describe_machine(AMX)}",
+        f"diagnosed on: {describe_machine(AMX)}",
+    ]
+    mixed = runner.invoke(main, ["summarize", *map(str, paths)])
+    assert mixed.exit_code == 0, mixed.output
+    (warning,) = mixed.stderr.splitlines()
+    assert warning.startswith("depthdiag: warning: the files were trained or diagnosed on 2 different machines")
+    assert mixed.stdout.splitlines()[-4:] == [
+        f"trained on (seeds 0 1): {describe_machine(AMX)}",
+        f"diagnosed on (seeds 0 1): {describe_machine(AMX)}",
+        f"trained on (seeds 2): {describe_machine(NO_AMX)}",
+        f"diagnosed on (seeds 2): {describe_machine(AMX)}",
+    ]
+    document = json.loads(runner.invoke(main, ["summarize", *map(str, paths), "--json"]).stdout)
+    assert document["machines"] == [
+        {"trained_on": [AMX], "diagnosed_on": AMX, "seeds": [0, 1]},
+        {"trained_on": [NO_AMX], "diagnosed_on": AMX, "seeds": [2]},
+    ]
+    assert document["warnings"] == [warning.removeprefix("depthdiag: warning: ")]
+
+
+def test_summarize_json_carries_each_seeds_own_values(tmp_path):
+    import scipy.stats
+
+    paths = write_seeds(tmp_path, seeds=(0, 1, 2))
+    document = json.loads(CliRunner().invoke(main, ["summarize", *map(str, paths), "--json"]).stdout)
+    for row in document["rows"]:
+        assert [entry["seed"] for entry in row["per_seed"]] == [0, 1, 2]
+        for entry, path in zip(row["per_seed"], paths):
+            # The seed's own file: its batches' depth-averaged benefit, their mean and t interval.
+            batches = open_results(path)["benefit"].sel(snapshot=row["snapshot"]).mean("serving_depth").values
+            lower, upper = scipy.stats.t.interval(0.95, len(batches) - 1, batches.mean(), scipy.stats.sem(batches))
+            assert entry["mean"] == pytest.approx(batches.mean(), rel=1e-12)
+            assert (entry["lower"], entry["upper"]) == pytest.approx((lower, upper), rel=1e-12)
+            assert entry["n"] == len(batches)
 
 
 def test_summarize_warns_on_mixed_learning_rates(tmp_path):

@@ -1,6 +1,5 @@
 """Benefit intervals: batch-level Student-t (and BCa) intervals, checked against scipy.stats directly."""
 
-import json
 import math
 import warnings
 
@@ -8,20 +7,17 @@ import numpy as np
 import pytest
 import scipy.stats
 import xarray as xr
+from helpers import benefit_results, hand_seeds, scipy_t
 
+from analysis.finishing import finishing_phase
 from analysis.stats import (
-    FinishingPhase,
     Interval,
     IntervalOptions,
-    SeedDecay,
     batch_noise,
     bca_interval,
     benefit_by_depth,
-    decay_point,
     depth_averaged_benefit,
     describe_intervals,
-    finishing_phase,
-    format_finishing_phase,
     format_monitor_summary,
     mixed_learning_rate_warning,
     monitor_benefit_map,
@@ -32,33 +28,8 @@ from analysis.stats import (
     t_interval,
     trailing_mean,
 )
-from analysis.summary import format_summary_table
+from analysis.summary import format_summary_table, summary_text
 from common.choices import RESAMPLES_RANGE
-
-
-def benefit_results(
-    benefit: np.ndarray, uniform_updates=None, seeded: bool = False, update_depths=(4, 16)
-) -> xr.Dataset:
-    """A Dataset with the coordinates the statistics read, around `benefit` [(seed,) snapshot, batch, depth]."""
-    dims = (("seed",) if seeded else ()) + ("snapshot", "batch", "serving_depth")
-    n_snapshots, n_batches, n_depths = benefit.shape[-3:]
-    uniform_updates = list(uniform_updates if uniform_updates is not None else range(n_snapshots))
-    coords = {
-        "snapshot": [f"s{u}" for u in uniform_updates],
-        "uniform_updates": ("snapshot", uniform_updates),
-        "step": ("snapshot", [1000 + u for u in uniform_updates]),
-        "batch": np.arange(n_batches),
-        "serving_depth": np.arange(1, n_depths + 1),
-        "update_depth": list(update_depths),
-    }
-    if seeded:
-        coords["seed"] = np.arange(benefit.shape[0])
-    return xr.Dataset({"benefit": (dims, benefit)}, coords=coords)
-
-
-def scipy_t(values, level=0.95):
-    values = np.asarray(values)
-    return scipy.stats.t.interval(level, len(values) - 1, loc=values.mean(), scale=scipy.stats.sem(values))
 
 
 def correlated_benefit(rng, n_snapshots, n_batches, n_depths, means, batch_sd=0.5, depth_sd=0.05):
@@ -217,18 +188,6 @@ T_975_DF1 = 12.706204736174707  # scipy.stats.t.ppf(0.975, 1)
 T_975_DF2 = 4.302652729749464  # scipy.stats.t.ppf(0.975, 2)
 
 
-def hand_seeds() -> xr.Dataset:
-    """3 seeds x 2 snapshots (0, 16 updates) x 2 batches x 2 serving depths, numbers chosen by hand.
-
-    At the switch the depth-averaged batch means are (2, 4), (1, 3), (3, 5): seed means
-    3, 2, 4. After 16 updates every seed's batch means are (+0.1, -0.1): seed means 0.
-    """
-    at_switch = [[[1.0, 3.0], [3.0, 5.0]], [[0.0, 2.0], [2.0, 4.0]], [[2.0, 4.0], [4.0, 6.0]]]
-    after = [[[0.0, 0.2], [-0.2, 0.0]]] * 3
-    benefit = np.stack([np.array(at_switch), np.array(after)], axis=1)  # [seed, snapshot, batch, depth]
-    return benefit_results(benefit, uniform_updates=[0, 16], seeded=True)
-
-
 def test_seed_level_interval_by_hand():
     rows = summary_table(hand_seeds())
     switch, after = rows
@@ -283,97 +242,6 @@ def test_headline_is_labelled_with_what_it_covers():
     assert "batch noise only" in single and "n = 2 batches" in single
     table = format_summary_table(summary_table(hand_seeds()))
     assert "var(seeds)" in table and "1.00e+00" in table
-
-
-@pytest.mark.parametrize(
-    ("values", "expected"),
-    [
-        ([1.0, 0.5, 0.04, 0.03], 8),
-        ([1.0, 0.01, 0.5, 0.01], 16),  # a rebound: the first dip does not count
-        ([1.0, 0.01, np.nan, 0.01], 16),  # a missing snapshot is not evidence of a decay
-        ([1.0, 0.5, 0.2, 0.1], None),
-        ([-1.0, -2.0, -3.0, -4.0], None),  # no positive benefit to decay from
-    ],
-)
-def test_decay_point(values, expected):
-    assert decay_point([0, 4, 8, 16], values) == expected
-
-
-def test_decay_point_sorts_the_grid_and_needs_the_switch():
-    assert decay_point([16, 0, 8, 4], [0.03, 1.0, 0.04, 0.5]) == 8
-    assert decay_point([0, 4], [1.0, 0.2], fraction=0.25) == 4
-    with pytest.raises(ValueError, match="switch"):
-        decay_point([4, 8], [1.0, 0.0])
-
-
-def seed_curves(curves) -> xr.Dataset:
-    """Seeds whose depth-averaged benefit follows `curves` [seed][snapshot] exactly (no batch noise)."""
-    curves = np.asarray(curves, dtype=float)
-    benefit = np.broadcast_to(curves[:, :, None, None], curves.shape + (2, 3)).copy()
-    return benefit_results(benefit, uniform_updates=[0, 4, 8, 16], seeded=True)
-
-
-def test_finishing_phase_by_hand():
-    phase = finishing_phase(seed_curves([[1, 0.5, 0.01, 0.01], [1, 0.01, 0.01, 0.01], [1, 0.5, 0.5, 0.01]]))
-    # Seed-mean curve: 1, 0.34, 0.17, 0.01 -> below 0.05 from 16 on (the crossing lies in (8, 16]).
-    assert (phase.decay_updates, phase.decay_after, phase.max_uniform_updates) == (16, 8, 16)
-    assert [decay.uniform_updates for decay in phase.per_seed] == [8, 4, 16]
-    assert [decay.after for decay in phase.per_seed] == [4, 0, 8]  # the crossing lies in (after, count]
-    assert phase.switch.mean == pytest.approx(1.0) and phase.switch.unit == "seed"
-    # After 4 updates the seeds are at 0.5, 0.01, 0.5: an interval over seeds that reaches below zero.
-    assert phase.first_zero_overlap == 4
-    assert (phase.zero_overlap.lower, phase.zero_overlap.upper) == pytest.approx(scipy_t([0.5, 0.01, 0.5]))
-    text = format_finishing_phase(phase)
-    assert "for good from: 16 uniform updates (after 8" in text
-    assert "seed 0: 8, seed 1: 4, seed 2: 16" in text and "contains zero: 4 uniform updates" in text
-
-
-def test_finishing_phase_takes_its_fraction_and_level():
-    curves = [[1, 0.5, 0.01, 0.01], [1, 0.01, 0.01, 0.01], [1, 0.5, 0.5, 0.01]]
-    # Seed-mean curve 1, 0.34, 0.17, 0.01: below 0.6 from 4 on, and so is every seed's own curve.
-    loose = finishing_phase(seed_curves(curves), fraction=0.6)
-    assert loose.fraction == 0.6 and loose.decay_updates == 4
-    assert [decay.uniform_updates for decay in loose.per_seed] == [4, 4, 4]
-    # At the 50% level the seeds' interval after 4 updates (0.5, 0.01, 0.5) no longer reaches zero, nor does any
-    # later one: [0.01, 0.01, 0.5] after 8, three equal seeds after 16.
-    narrow = finishing_phase(seed_curves(curves), options=IntervalOptions(level=0.5))
-    after_four = scipy_t([0.5, 0.01, 0.5], level=0.5)
-    assert after_four[0] > 0 and narrow.first_zero_overlap is None
-    assert (narrow.switch.lower, narrow.switch.upper) == pytest.approx((1.0, 1.0))
-
-
-def test_no_interval_containing_zero_within_the_grid():
-    phase = finishing_phase(seed_curves([[1, 0.5, 0.2, 0.1], [1, 0.6, 0.3, 0.2], [1, 0.4, 0.25, 0.15]]))
-    assert phase.first_zero_overlap is None and phase.zero_overlap is None
-    assert "contains zero: none within 16" in format_finishing_phase(phase)
-
-
-def test_finishing_phase_with_a_seed_that_never_crosses():
-    phase = finishing_phase(seed_curves([[1, 0.5, 0.01, 0.01], [1, 0.5, 0.3, 0.2], [1, 0.01, 0.01, 0.01]]))
-    assert [decay.uniform_updates for decay in phase.per_seed] == [8, None, 4]
-    assert phase.per_seed[1].after is None
-    assert phase.decay_updates is None
-    assert "seed 1: none within 16" in format_finishing_phase(phase)
-
-
-def test_the_switch_itself_is_never_the_first_interval_containing_zero():
-    # A switch benefit indistinguishable from zero says nothing about how fast it decays.
-    phase = finishing_phase(seed_curves([[1, 0.3, 0.2, 0.1], [-1, 0.35, 0.25, 0.12], [0.5, 0.32, 0.22, 0.11]]))
-    assert phase.switch.contains_zero()
-    assert phase.first_zero_overlap is None and phase.intervals_formed
-
-
-def test_one_seed_forms_no_interval_and_says_so():
-    phase = finishing_phase(seed_curves([[1, 0.5, 0.01, 0.01]]))
-    assert not phase.intervals_formed and phase.first_zero_overlap is None
-    assert "no interval could be formed" in format_finishing_phase(phase)
-
-
-def test_first_snapshot_whose_seed_interval_contains_zero():
-    phase = finishing_phase(hand_seeds())
-    assert phase.first_zero_overlap == 16
-    assert phase.zero_overlap.contains_zero() and phase.zero_overlap.n == 3
-    assert phase.decay_updates == 16 and phase.decay_after == 0
 
 
 def test_mixed_learning_rates_are_named_per_file():
@@ -527,6 +395,12 @@ def test_the_headline_description_in_full():
     )
 
 
+def test_no_rows_are_described_in_one_line():
+    # summary_text puts the description above the table, which without rows is its header alone.
+    assert describe_intervals([]) == "headline: none (no snapshots to summarise)"
+    assert summary_text([], None, IntervalOptions()).splitlines()[0] == "headline: none (no snapshots to summarise)"
+
+
 def test_the_summary_table_in_full():
     rows = [
         {"snapshot": "u0000", "uniform_updates": 0, "step": 1000, "mean": 0.25, "lower": 0.125, "upper": 0.375}
@@ -580,64 +454,6 @@ def test_mixed_learning_rate_message_in_full():
 
 
 # --- decay point and finishing phase: edges by hand ----------------------------------------------
-
-
-def test_decay_point_edges():
-    assert decay_point([0, 4, 8], [2.0, 0.09, 0.09]) == 4  # 5% of a switch benefit of 2 is 0.1
-    assert decay_point([0, 4], [0.5, 0.01]) == 4  # a switch benefit below 1 decays like any other
-    assert decay_point([0, 4], [0.0, -1.0]) is None  # a zero switch benefit has nothing to decay
-    assert decay_point([0, 4], [1.0, 0.25], fraction=0.25) is None  # exactly the fraction is not below it
-    with pytest.raises(ValueError, match="switch"):
-        decay_point([], [])
-    # A float32 seed curve (a float32 file): 0.03217036649584770 lies below 5% of 0.6434073448181152
-    # (0.03217036724...), though float32 arithmetic would round that threshold down onto the value itself.
-    assert decay_point([0, 4], np.array([0.6434073448181152, 0.0321703664958477], dtype=np.float32)) == 4
-
-
-def test_per_seed_switch_values_and_the_phase_as_json():
-    phase = finishing_phase(seed_curves([[2.0, 0.05, 0.01, 0.01], [1.0, 0.5, 0.01, 0.01]]))
-    assert phase.per_seed == (SeedDecay(0, 2.0, 4, 0), SeedDecay(1, 1.0, 8, 4))
-    as_dict = json.loads(json.dumps(phase.to_dict()))
-    assert as_dict["per_seed"][0] == {"seed": 0, "switch_value": 2.0, "uniform_updates": 4, "after": 0}
-    assert as_dict["switch"]["mean"] == pytest.approx(1.5) and as_dict["decay_updates"] == 8
-
-
-def phase_of(switch: Interval, **fields) -> FinishingPhase:
-    """A FinishingPhase over a grid ending at 16 updates, with nothing found unless `fields` say so."""
-    defaults = {"fraction": 0.05, "max_uniform_updates": 16, "decay_updates": None, "decay_after": None}
-    defaults |= {"per_seed": (), "first_zero_overlap": None, "zero_overlap": None, "intervals_formed": True}
-    return FinishingPhase(switch=switch, **(defaults | fields))
-
-
-def test_finishing_phase_lines_in_full():
-    phase = finishing_phase(seed_curves([[1, 0.5, 0.01, 0.01], [1, 0.01, 0.01, 0.01], [1, 0.5, 0.5, 0.01]]))
-    lower, upper = scipy_t([0.5, 0.01, 0.5])  # the seeds after 4 updates
-    assert format_finishing_phase(phase).splitlines() == [
-        "finishing phase: switch benefit +1.0000 [+1.0000, +1.0000] over 3 seeds; "
-        "mean benefit below 5% of it for good from: 16 uniform updates (after 8; the grid brackets the crossing)",
-        "  per seed: seed 0: 8, seed 1: 4, seed 2: 16; range 4-16 (each crossing lies between its grid count and "
-        "the one before)",
-        f"finishing phase: first snapshot whose 95% CI contains zero: 4 uniform updates, benefit +0.3367 "
-        f"[{lower:+.4f}, {upper:+.4f}] over 3 seeds",
-    ]
-    never = phase_of(Interval(0.5, 0.25, 0.75, 2, "seed"), per_seed=(SeedDecay(0, 0.4, None, None),) * 2)
-    assert format_finishing_phase(never, level=0.9).splitlines() == [
-        "finishing phase: switch benefit +0.5000 [+0.2500, +0.7500] over 2 seeds; "
-        "mean benefit below 5% of it for good from: none within 16",
-        "  per seed: seed 0: none within 16, seed 0: none within 16 (each crossing lies between its grid count and "
-        "the one before)",
-        "finishing phase: first snapshot whose 90% CI contains zero: none within 16",
-    ]
-
-
-def test_a_switch_benefit_that_is_not_positive_is_named_as_the_reason():
-    for mean in (0.0, -0.5):
-        text = format_finishing_phase(phase_of(Interval(mean, -1.0, 1.0, 4, "batch"), intervals_formed=False))
-        assert text.splitlines()[0].endswith("for good from: none within 16 (the switch benefit is not positive)")
-        assert text.splitlines()[1] == (
-            "finishing phase: first snapshot whose 95% CI contains zero: "
-            "n/a (no interval could be formed: fewer than two units)"
-        )
 
 
 def test_trailing_mean_of_a_window_without_values_is_nan_without_a_warning():

@@ -92,6 +92,26 @@ def test_interrupt_then_resume_is_bit_exact(tmp_path, monkeypatch, setting):
         assert all(torch.equal(v, sb.model_state[k]) for k, v in sa.model_state.items())
 
 
+def test_the_run_records_the_machines_that_trained_it(tmp_path, monkeypatch):
+    import trainer.train as train_module
+    from trainer.machine import machine
+
+    corpus = text_corpus(tmp_path)
+    config = tiny_config(corpus)
+    straight, resumed = straight_and_killed_runs(config, tmp_path, monkeypatch)
+    here = machine("cpu")
+    assert load_snapshot(straight / "snapshots/u0000_step000006.pt").trained_on == (here,)
+    assert json.loads((straight / "summary.json").read_text())["trained_on"] == [here]
+    # The killed run resumes on another machine: what it writes from then on names both, in order.
+    elsewhere = {**here, "bf16_matmul": "another kernel", "bf16_matrix_units": 0}
+    monkeypatch.setattr(train_module, "machine", lambda device: elsewhere)
+    train(config, resumed, resume=True, progress=False)
+    assert load_snapshot(resumed / "checkpoints/step_000004.pt").trained_on == (here,)
+    assert load_snapshot(resumed / "snapshots/u0000_step000006.pt").trained_on == (here, elsewhere)
+    assert load_snapshot(resumed / "checkpoints/step_000012.pt").trained_on == (here, elsewhere)
+    assert json.loads((resumed / "summary.json").read_text())["trained_on"] == [here, elsewhere]
+
+
 def test_a_resume_may_change_only_what_observes_the_run_and_trains_the_same_weights(tmp_path, monkeypatch):
     corpus = text_corpus(tmp_path)
     config = tiny_config(corpus, snapshot_uniform_updates=[])

@@ -16,6 +16,7 @@ from common.provenance import package_version
 from trainer.checkpoint import load_snapshot
 from trainer.data import build_source
 from trainer.distributed import resolve_device
+from trainer.machine import machine
 from trainer.scoring import mean_nll_by_depth, recall_bits
 
 
@@ -63,6 +64,7 @@ def evaluate_checkpoint(
             "eval_sequences": int(snapshot.eval_tokens.shape[0]),
             "torch_version": str(torch.__version__),
             "depthdiag_version": package_version(),
+            "machine": machine(target.type),
         },
     )
 

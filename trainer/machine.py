@@ -98,13 +98,18 @@ def _onednn() -> dict[str, str]:
     return found
 
 
-@functools.cache
 def machine(device: str = "cpu") -> dict[str, str | int]:
-    """What computed a result on `device` ('cpu' or 'cuda'): the CPU model, the bf16
+    """What computes a result on `device` ('cpu' or 'cuda'): the CPU model, the bf16
     instructions it has, torch's CPU kernel level (ATen's dispatch, ATEN_CPU_CAPABILITY), the
     oneDNN version, ISA and bf16 matmul kernel it dispatches to, whether those are the bf16
-    matrix units, ONEDNN_MAX_CPU_ISA as set ('' when not), the thread count, and on a GPU its
-    name and compute capability. Probed once per process and device."""
+    matrix units, ONEDNN_MAX_CPU_ISA as set ('' when not), torch's thread count now (it changes
+    how kernels split their sums), and on a GPU its name and compute capability."""
+    return {**_kernels(device), "threads": torch.get_num_threads()}
+
+
+@functools.cache
+def _kernels(device: str) -> dict[str, str | int]:
+    """`machine` but the threads: probed once per process and device."""
     onednn = _onednn()
     record: dict[str, str | int] = {
         "cpu_model": cpu_model(),
@@ -113,7 +118,6 @@ def machine(device: str = "cpu") -> dict[str, str | int]:
         **onednn,
         "bf16_matrix_units": int("amx" in onednn["bf16_matmul"].lower()),
         "onednn_max_cpu_isa": os.environ.get(ISA_VARIABLE, ""),
-        "threads": torch.get_num_threads(),
     }
     if device == "cuda" and torch.cuda.is_available():
         index = torch.cuda.current_device()

@@ -13,13 +13,12 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from analysis.figures.shared import PALETTE, STYLE, ZERO_LINE, new_axes, select_snapshots, snapshot_label
+from analysis.finishing import FinishingPhase, finishing_phase
 from analysis.stats import (
-    FinishingPhase,
     IntervalOptions,
     batch_noise,
     benefit_by_depth,
     depth_averaged_benefit,
-    finishing_phase,
     method_name,
     plural,
 )
@@ -123,7 +122,7 @@ def plot_depth_averaged_benefit(
     by default every snapshot is drawn, ordered by uniform updates. With `noise`
     (`analysis.stats.batch_noise` of several seeds) a thick inner bar shows the
     within-seed batch interval's mean half-width, so the reader sees batch noise
-    next to seed noise. With `phase` (`analysis.stats.finishing_phase`) the decay
+    next to seed noise. With `phase` (`analysis.finishing.finishing_phase`) the decay
     point and the first interval containing zero are marked. Returns the axes drawn on.
     """
     if ax is None:

@@ -22,6 +22,7 @@ COMMANDS = (
     results.summarize,
     results.plot,
     results.sensitivity,
+    results.machines,
     recommend.recommend,
     grid.grid,
     flops.flops,

@@ -1,4 +1,4 @@
-"""`depthdiag summarize`, `plot` and `sensitivity`: reading results files."""
+"""`depthdiag summarize`, `plot`, `sensitivity` and `machines`: reading results files."""
 
 from __future__ import annotations
 
@@ -119,25 +119,43 @@ def summarize(
     if _monitor_file(results) is not None:
         _summarize_monitor(results[0], as_json, options, csv_out, force)
         return
-    from analysis.stats import finishing_phase, summary_table
+    from analysis.finishing import finishing_phase, with_equivalence
+    from analysis.stats import per_seed_benefits, summary_table
     from analysis.store import open_results
-    from analysis.summary import from_a_schedule, summary_document, summary_text, without_schedule
+    from analysis.summary import (
+        from_a_schedule,
+        machine_groups,
+        machine_warning,
+        summary_document,
+        summary_text,
+        without_schedule,
+    )
 
     with naming_files(results):
         ds = open_results(results)
-        warning = _warn_on_mixed_learning_rates(ds, results)
+        warnings = [_warn_on_mixed_learning_rates(ds, results)]
+        machines = machine_groups(ds)
+        warnings.append(machine_warning(machines))
+        if warnings[-1] is not None:
+            click.echo(f"depthdiag: warning: {warnings[-1]}", err=True)
         rows = summary_table(ds, options=options)
         scheduled = from_a_schedule(ds)
         if not scheduled:
             rows = without_schedule(rows)
         has_switch = scheduled and 0 in ds["uniform_updates"].values
-        phase = finishing_phase(ds, options=options) if has_switch else None
+        phase = None
+        if has_switch:
+            phase = finishing_phase(ds, options=options)
+            rows = with_equivalence(rows, ds, fraction=phase.fraction, options=options)
+        per_seed = per_seed_benefits(ds, options=options)
     if _export_csv(rows, csv_out, force, results):
         return
+    warnings = [warning for warning in warnings if warning is not None]
     if as_json:
-        click.echo(json_text(summary_document(results, rows, phase, options, [warning] if warning else [])))
+        document = summary_document(results, rows, phase, options, warnings, per_seed=per_seed, machines=machines)
+        click.echo(json_text(document))
     else:
-        click.echo(summary_text(rows, phase, options))
+        click.echo(summary_text(rows, phase, options, machines))
 
 
 @click.command()
@@ -281,3 +299,25 @@ def _plot_downstream(results: tuple[Path, ...], out: Path, force: bool) -> None:
         fig = figure3_downstream(open_downstream(results))
     for path in save_figure(fig, out, force=force, inputs=results):
         click.echo(f"wrote {path}")
+
+
+@click.command()
+@click.argument("results", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON (NaN as null).")
+@reports_errors
+@interval_options
+def machines(results: tuple[Path, ...], as_json: bool, options: IntervalOptions) -> None:
+    """One experiment's per-seed results files from two or more machines or kernel sets (e.g.
+    `make figure4` and `make figure4 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`), side by side, as
+    Markdown: each machine's depth-averaged benefit per snapshot with its interval over seeds
+    and its verdicts, one seed's spread across machines beside the spread across seeds, the
+    interval pooled over machines, and how many seeds each verdict needs to come out the same
+    on any of the machines. Files are grouped by the machine records they carry."""
+    from analysis.machines import format_machine_comparison, machine_comparison
+
+    with naming_files(results):
+        comparison = machine_comparison(results, options=options)
+    if as_json:
+        click.echo(json_text(comparison.to_dict()))
+    else:
+        click.echo(format_machine_comparison(comparison))
