@@ -102,3 +102,12 @@ def test_a_record_in_words():
     assert describe_machine(None) == describe_machine({}) == "unknown (not recorded)"
     assert describe_machines([record, amx]) == f"{describe_machine(record)} then {describe_machine(amx)}"
     assert describe_machines([]) == "unknown (not recorded)"
+
+
+def test_every_devices_record_holds_the_cpu_kernels():
+    # oneDNN reports its version and ISA at the first verbose call of a process only: the CUDA
+    # record (the CPU's alone on a machine without CUDA) shares the first probe, in a fresh process.
+    probe = "import json; from trainer.machine import machine; print(json.dumps([machine('cpu'), machine('cuda')]))"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    cpu, cuda = json.loads(result.stdout)
+    assert {key: cuda[key] for key in cpu} == cpu

@@ -76,10 +76,12 @@ def _onednn_report() -> str:
         return report.read().decode(errors="replace")
 
 
+@functools.cache
 def _onednn() -> dict[str, str]:
     """oneDNN's version, the ISA it dispatches to and its bf16 matmul kernel. A CPU without
     bf16 instructions has its bf16 matmuls done by torch's own kernels, which oneDNN then
-    does not report: 'aten' for the kernel, 'unknown' for the ISA."""
+    does not report: 'aten' for the kernel, 'unknown' for the ISA. Probed once per process:
+    oneDNN reports its version and ISA at the first verbose call only."""
     if not torch.backends.mkldnn.is_available():
         return {"onednn_version": "none", "onednn_isa": "none", "bf16_matmul": "aten"}
     built_with = re.search(r"MKL-DNN v([\w.]+)", torch.__config__.show())
