@@ -1,11 +1,13 @@
 """depthdiag/cli/app.py, what every command shares: exit codes and one-line errors (docs/cli.md)."""
 
+import json
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import h5py
 import pytest
 from click.testing import CliRunner
 from helpers import TOY_CONFIG, start_holder
@@ -13,6 +15,7 @@ from helpers import TOY_CONFIG, start_holder
 from common.errors import InputError
 from depthdiag.cli import main
 from trainer.checkpoint import latest_checkpoint
+from trainer.machine import machine
 
 
 def run(*args):
@@ -92,6 +95,8 @@ def test_eval_out_takes_the_lock_and_refuses_an_existing_file_unless_forced(toy_
     args = ["eval", str(snapshot), "--serving", "1-2", "--out", str(out), "--no-progress"]
     runner = CliRunner()
     assert runner.invoke(main, args).exit_code == 0
+    with h5py.File(out, "r") as written:  # what computed the NLLs
+        assert json.loads(written.attrs["machine"]) == machine("cpu")
     first = out.read_bytes()
     result = runner.invoke(main, args)
     assert result.exit_code == 2

@@ -48,6 +48,7 @@ from trainer.config import MonitorConfig, RunConfig, load_config  # noqa: E402
 from trainer.data import build_source  # noqa: E402
 from trainer.flops import update_flops  # noqa: E402
 from trainer.loss import clip_gradients_, training_loss  # noqa: E402
+from trainer.machine import machine
 from trainer.model import LoopedTransformer  # noqa: E402
 from trainer.optim import lr_at  # noqa: E402
 from trainer.rng import seeded_generator  # noqa: E402
@@ -146,6 +147,7 @@ def test_training_with_the_monitor_equals_training_without_it(tmp_path, schedule
     assert ds["step"].values.tolist() == sorted({3, 6, 9, 12} | ({switch} if switch else set()))
     assert ds.attrs["switch_step"] == (switch if switch is not None else -1)
     assert ds.attrs["precision"] == precision and RunConfig.from_json(ds.attrs["config"]) == monitored(config)
+    assert json.loads(ds.attrs["machine"]) == machine("cpu")  # the kernels that computed the checks
     assert ds["lr"].values.tolist() == [lr_at(int(s), config.optim, 12) for s in ds["step"].values]
     assert ds.sizes == {"step": ds.sizes["step"], "batch": 2, "update_depth": 2, "serving_depth": 4, "depth": 4}
     probability = ds["depth_probability"].values
