@@ -15,8 +15,10 @@ Three readings, from the weakest claim to the strongest:
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
+import scipy.stats
 import xarray as xr
 
 from analysis.stats import (
@@ -26,7 +28,6 @@ from analysis.stats import (
     depth_averaged_benefit,
     depth_averaged_per_batch,
     replication_units,
-    t_interval,
 )
 from common.errors import InputError
 
@@ -88,6 +89,22 @@ def decay_spread(
     return grid[lower], grid[upper]
 
 
+def _one_sided_upper(values: np.ndarray, options: IntervalOptions) -> tuple[float, float, int]:
+    """(mean, one-sided `options.level` upper bound, n) of the finite `values`: Student-t, or the
+    upper end of the two-sided BCa interval at level 2 * level - 1."""
+    if options.method == "t":
+        finite = np.asarray(values, dtype=np.float64)
+        finite = finite[np.isfinite(finite)]
+        mean, n = (float(finite.mean()) if finite.size else math.nan), int(finite.size)
+        if n < 2:
+            return mean, math.nan, n
+        return mean, mean + float(scipy.stats.t.ppf(options.level, n - 1) * finite.std(ddof=1) / math.sqrt(n)), n
+    if options.level <= 0.5:
+        raise InputError(f"a one-sided BCa bound needs a level above 0.5, got {options.level}")
+    mean, _, high, n = bca_interval(values, 2 * options.level - 1, n_resamples=options.n_resamples, seed=options.seed)
+    return mean, high, n
+
+
 def equivalence_bounds(
     ds: xr.Dataset,
     *,
@@ -98,8 +115,8 @@ def equivalence_bounds(
     """Per snapshot, whether the depth-averaged benefit is shown to lie below `fraction` of the
     switch benefit: over seeds, the margin d = b(N) - fraction * b(0) of each seed's means
     (paired: the same seed's switch snapshot), its mean `margin` and its one-sided
-    `options.level` upper bound `margin_upper` (the upper end of the two-sided interval at
-    level 2 * level - 1, Student-t or BCa as `options.method` says), `n` seeds and `below`
+    `options.level` upper bound `margin_upper` (Student-t, or BCa as `options.method` says),
+    `n` seeds and `below`
     (margin_upper < 0). Without `seed_dim` (one file: batches of different snapshots are not
     paired) and at the switch itself the bound is not formed (NaN, below False)."""
     counts = ds["uniform_updates"].values
@@ -112,16 +129,8 @@ def equivalence_bounds(
         seed_means, _ = replication_units(depth_averaged_per_batch(ds), seed_dim=seed_dim)
         seed_means = seed_means.transpose(seed_dim, "snapshot").values  # [seeds, snapshots]
         switch = seed_means[:, int(np.flatnonzero(counts == 0)[0])]
-        two_sided = 2 * options.level - 1
         for index in np.flatnonzero(counts != 0):
-            margins = seed_means[:, index] - fraction * switch
-            if options.method == "t":
-                mean, _, high, units = t_interval(margins, two_sided)
-            else:
-                mean, _, high, units = bca_interval(
-                    margins, two_sided, n_resamples=options.n_resamples, seed=options.seed
-                )
-            margin[index], upper[index], n[index] = mean, high, units
+            margin[index], upper[index], n[index] = _one_sided_upper(seed_means[:, index] - fraction * switch, options)
     result = xr.Dataset(
         {
             "margin": ("snapshot", margin),

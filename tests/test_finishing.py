@@ -294,3 +294,13 @@ def test_the_bound_must_hold_for_good():
     phase = finishing_phase(seed_curves(curves))
     assert phase.bound_updates == 16
     assert "paired by seed) from: 16 uniform updates" in format_finishing_phase(phase)
+
+
+def test_a_one_sided_bound_below_the_median_and_bcas_refusal():
+    curves, ds = random_seed_curves(np.random.default_rng(5))
+    margins = curves[:, 2] - 0.05 * curves[:, 0]
+    low = equivalence_bounds(ds, options=IntervalOptions(level=0.4))
+    expected = margins.mean() + scipy.stats.t.ppf(0.4, len(margins) - 1) * scipy.stats.sem(margins)
+    assert float(low["margin_upper"][2]) == pytest.approx(expected, rel=1e-9) and expected < margins.mean()
+    with pytest.raises(Exception, match="a one-sided BCa bound needs a level above 0.5"):
+        equivalence_bounds(ds, options=IntervalOptions(level=0.4, method="bca"))
