@@ -479,3 +479,19 @@ def test_plot_refuses_an_existing_image_or_pdf_unless_forced_and_a_held_one(tmp_
         holder.wait()
     assert plot("--force").exit_code == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["figure4.pdf", "figure4.png", "results.h5"]
+
+
+def test_summarize_measures_the_finishing_phase_against_the_fraction_asked_for(tmp_path):
+    from analysis.finishing import finishing_phase
+
+    paths = write_seeds(tmp_path, uniform_updates=DENSE_GRID)
+    document = json.loads(
+        CliRunner().invoke(main, ["summarize", *map(str, paths), "--json", "--fraction", "0.3"]).stdout
+    )
+    ds = open_results(paths)
+    assert document["finishing_phase"] == json.loads(json.dumps(finishing_phase(ds, fraction=0.3).to_dict()))
+    rows = [{key: value for key, value in row.items() if key != "per_seed"} for row in document["rows"]]
+    assert rows == json.loads(json.dumps(with_equivalence(summary_table(ds), ds, fraction=0.3)))
+    text = CliRunner().invoke(main, ["summarize", *map(str, paths), "--fraction", "0.3"]).stdout
+    assert "< 30% of switch" in text and "mean benefit below 30% of it for good from" in text
+    assert CliRunner().invoke(main, ["summarize", *map(str, paths), "--fraction", "1.5"]).exit_code == 2

@@ -86,6 +86,17 @@ def interval_options(command):
     return _interval_option_declarations(with_options)
 
 
+fraction_option = click.option(
+    "--fraction",
+    type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    default=0.05,
+    show_default=True,
+    help="The fraction of the switch benefit the finishing phase is measured against: where the benefit "
+    "falls below it for good, and whether it is shown below it (the one-sided bound over seeds).",
+)
+"""--fraction of `summarize` and `machines`."""
+
+
 _hf_model_declarations = (
     click.option(
         "--hf",

@@ -11,9 +11,7 @@ import click
 from common.errors import InputError, naming_files
 from common.json_text import json_text
 from depthdiag.cli.app import reports_errors
-from depthdiag.cli.options import (
-    interval_options,
-)
+from depthdiag.cli.options import fraction_option, interval_options
 
 if TYPE_CHECKING:
     from analysis.stats import IntervalOptions
@@ -94,10 +92,16 @@ def _summarize_monitor(path: Path, as_json: bool, options: IntervalOptions, csv_
     "instead of the table.",
 )
 @click.option("--force", is_flag=True, help="Overwrite an existing --csv FILE.")
+@fraction_option
 @reports_errors
 @interval_options
 def summarize(
-    results: tuple[Path, ...], as_json: bool, csv_out: str | None, force: bool, options: IntervalOptions
+    results: tuple[Path, ...],
+    as_json: bool,
+    csv_out: str | None,
+    force: bool,
+    fraction: float,
+    options: IntervalOptions,
 ) -> None:
     """Per snapshot: depth-averaged benefit with its confidence intervals, and how long
     the finishing phase needs to be.
@@ -145,8 +149,8 @@ def summarize(
         has_switch = scheduled and 0 in ds["uniform_updates"].values
         phase = None
         if has_switch:
-            phase = finishing_phase(ds, options=options)
-            rows = with_equivalence(rows, ds, fraction=phase.fraction, options=options)
+            phase = finishing_phase(ds, fraction=fraction, options=options)
+            rows = with_equivalence(rows, ds, fraction=fraction, options=options)
         per_seed = per_seed_benefits(ds, options=options)
     if _export_csv(rows, csv_out, force, results):
         return
@@ -304,9 +308,10 @@ def _plot_downstream(results: tuple[Path, ...], out: Path, force: bool) -> None:
 @click.command()
 @click.argument("results", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON (NaN as null).")
+@fraction_option
 @reports_errors
 @interval_options
-def machines(results: tuple[Path, ...], as_json: bool, options: IntervalOptions) -> None:
+def machines(results: tuple[Path, ...], as_json: bool, fraction: float, options: IntervalOptions) -> None:
     """One experiment's per-seed results files from two or more machines or kernel sets (e.g.
     `make figure4` and `make figure4 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`), side by side, as
     Markdown: each machine's depth-averaged benefit per snapshot with its interval over seeds
@@ -316,7 +321,7 @@ def machines(results: tuple[Path, ...], as_json: bool, options: IntervalOptions)
     from analysis.machines import format_machine_comparison, machine_comparison
 
     with naming_files(results):
-        comparison = machine_comparison(results, options=options)
+        comparison = machine_comparison(results, fraction=fraction, options=options)
     if as_json:
         click.echo(json_text(comparison.to_dict()))
     else:
