@@ -35,26 +35,39 @@ MOST_SEEDS = 200
 """The largest seed count `seeds_needed` searches."""
 
 
+def _noncentral_t(n: int, shift: float):
+    """The t statistic of a mean over `n` units whose true mean is `shift` standard errors away."""
+    return scipy.stats.nct(df=n - 1, nc=shift)
+
+
+def _far_tail(probability: float) -> float:
+    """A tail probability of the noncentral t, whose series scipy cannot sum far out in the tail
+    (NaN where the true value is below about 1e-10): 0 there."""
+    return 0.0 if math.isnan(probability) else float(probability)
+
+
 def excludes_zero_probability(mean: float, sd: float, n: int, level: float = 0.95) -> float:
     """The probability that a Student-t interval over `n` independent units of mean `mean` and
     standard deviation `sd` excludes zero: P(|T| > t_crit), T noncentral t with n - 1 degrees of
-    freedom and noncentrality mean * sqrt(n) / sd."""
+    freedom and noncentrality |mean| * sqrt(n) / sd (the interval is symmetric in the sign)."""
     if n < 2 or not sd > 0:
         return math.nan
     critical = scipy.stats.t.ppf(0.5 + level / 2, df=n - 1)
-    shift = mean * math.sqrt(n) / sd
-    t = scipy.stats.nct(df=n - 1, nc=shift)
-    return float(t.sf(critical) + t.cdf(-critical))
+    t = _noncentral_t(n, abs(mean) * math.sqrt(n) / sd)
+    return float(t.sf(critical)) + _far_tail(t.cdf(-critical))
 
 
 def below_bound_probability(mean: float, sd: float, n: int, level: float = 0.95) -> float:
     """The probability that the one-sided `level` upper bound of a mean over `n` units of mean
     `mean` and standard deviation `sd` lies below zero (the equivalence bound of
-    analysis.finishing, on margins b(N) - fraction * b(0)): P(T < -t_crit)."""
+    analysis.finishing, on margins b(N) - fraction * b(0)): P(T < -t_crit), which is
+    P(T' > t_crit) for T' of the opposite noncentrality."""
     if n < 2 or not sd > 0:
         return math.nan
     critical = scipy.stats.t.ppf(level, df=n - 1)
-    return float(scipy.stats.nct(df=n - 1, nc=mean * math.sqrt(n) / sd).cdf(-critical))
+    shift = -mean * math.sqrt(n) / sd
+    tail = _noncentral_t(n, shift).sf(critical)
+    return _far_tail(tail) if shift < 0 else float(tail)
 
 
 def seeds_needed(probability, *, target: float = 0.9) -> int | None:
