@@ -294,6 +294,11 @@ def test_figure4_dense_grid_says_which_interval(tmp_path):
     assert any(text.startswith("mean < 5% of switch") for text in legend)
     assert any("CI containing 0" in text or "no CI contains 0" in text for text in legend)
     assert "batch noise only (mean within-seed CI)" in legend
+    from analysis.finishing import finishing_phase
+
+    bound = finishing_phase(ds).bound_updates
+    shown = "shown < 5% of switch (one-sided 95% bound)"
+    assert (f"{shown} from {bound} updates on" if bound is not None else f"{shown}: not within 256") in legend
 
     single_left, single_right = figure4(results(uniform_updates=DENSE_GRID)).axes
     assert "batch noise of one seed only" in single_left.get_title()

@@ -93,6 +93,18 @@ def _mark_finishing_phase(ax: Axes, phase: FinishingPhase, counts: list[int], me
         )
     else:
         ax.plot([], [], " ", label=f"{below}: none within {phase.max_uniform_updates}")
+    if phase.per_seed:  # the equivalence bound needs seeds to pair
+        shown = f"shown < {phase.fraction:.0%} of switch (one-sided {phase.level:.0%} bound)"
+        if phase.bound_updates in counts:
+            ax.axvline(
+                counts.index(phase.bound_updates),
+                color="0.4",
+                linestyle="--",
+                linewidth=1.2,
+                label=f"{shown} from {phase.bound_updates} updates on",
+            )
+        else:
+            ax.plot([], [], " ", label=f"{shown}: not within {phase.max_uniform_updates}")
     if phase.first_zero_overlap in counts:
         position = counts.index(phase.first_zero_overlap)
         ax.plot(
