@@ -107,11 +107,8 @@ def test_results_say_which_machines_trained_and_diagnosed_them(run, tmp_path):
     assert json.loads(ds.attrs["diagnose_manifest"])["machine"] == machine("cpu")
 
 
-def test_a_resume_on_another_machine_is_refused_and_keeps_the_finished_units(run, tmp_path, monkeypatch):
-    import diag.run as run_module
-
-    args = [run[2], "--batches", 2, *SMALL]
-    out, parts = tmp_path / "r.h5", tmp_path / "r.h5.parts"
+def interrupted_after_one_unit(monkeypatch, args: list, out: Path) -> None:
+    """`diagnose ARGS --out OUT` interrupted (Ctrl-C) once its first unit is written."""
     compare = diag.UpdateDiagnostic.compare
     calls = []
 
@@ -124,6 +121,14 @@ def test_a_resume_on_another_machine_is_refused_and_keeps_the_finished_units(run
     with monkeypatch.context() as patch:
         patch.setattr(diag.UpdateDiagnostic, "compare", crash_after_one)
         assert cli(*args, "--out", out).exit_code != 0
+
+
+def test_a_resume_on_another_machine_is_refused_and_keeps_the_finished_units(run, tmp_path, monkeypatch):
+    import diag.run as run_module
+
+    args = [run[2], "--batches", 2, *SMALL]
+    out, parts = tmp_path / "r.h5", tmp_path / "r.h5.parts"
+    interrupted_after_one_unit(monkeypatch, args, out)
     finished = listing(parts)
     elsewhere = {**run_module.machine("cpu"), "bf16_matmul": "another kernel"}
     monkeypatch.setattr(run_module, "machine", lambda device: elsewhere)
@@ -483,18 +488,8 @@ def test_a_non_finite_unit_keeps_the_other_snapshots_finished_units_for_the_resu
     bad.write_bytes(run[4].read_bytes())
     args = [run[2], bad, "--batches", 2, *SMALL]
     out, parts = tmp_path / "r.h5", tmp_path / "r.h5.parts"
-    calls = []
     compare = diag.UpdateDiagnostic.compare
-
-    def crash_after_one(self, batch):
-        if calls:
-            raise KeyboardInterrupt
-        calls.append(1)
-        return compare(self, batch)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(diag.UpdateDiagnostic, "compare", crash_after_one)
-        assert cli(*args, "--out", out).exit_code != 0
+    interrupted_after_one_unit(monkeypatch, args, out)
     assert [p.name for p in finished_parts(parts)] == ["snap-u00.b00000.h5"]
 
     # The resumed session finishes snap-u00, then snap-u02 diverges at its second batch.

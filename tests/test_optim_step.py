@@ -630,14 +630,19 @@ def test_the_linear_refusal_names_three_parameters_and_counts_the_rest():
         optimizer_step(opt).linear(random_grads(params, 29, zero=False))
 
 
-def test_linear_term_where_the_second_moment_is_zero_and_so_is_the_gradient():
-    # Parameter ZERO_GRAD got zero gradients in training: its state exists with v = 0.
+def trained_with_a_parameter_never_stepped_by_a_gradient():
+    """AdamW after 3 steps in which parameter ZERO_GRAD got zero gradients: its state exists with v = 0."""
     params = make_params()
     opt = build("adamw", groups(params))
     for seed in range(100, 103):
         for p, g in zip(params, random_grads(params, seed)):
             p.grad = g
         opt.step()
+    return params, opt
+
+
+def test_linear_term_where_the_second_moment_is_zero_and_so_is_the_gradient():
+    params, opt = trained_with_a_parameter_never_stepped_by_a_gradient()
     assert not opt.state[params[ZERO_GRAD]]["exp_avg_sq"].any()
     step = optimizer_step(opt)
     direction = random_grads(params, 27)
@@ -651,12 +656,7 @@ def test_linear_term_where_the_second_moment_is_zero_and_so_is_the_gradient():
 def test_the_linear_refusal_is_decided_over_every_ranks_shards():
     # Sharded, each rank checks its shards: a count on another rank refuses here too, so that no
     # rank goes on into a collective the others have left.
-    params = make_params()
-    opt = build("adamw", groups(params))
-    for seed in range(100, 103):
-        for p, g in zip(params, random_grads(params, seed)):
-            p.grad = g
-        opt.step()
+    params, opt = trained_with_a_parameter_never_stepped_by_a_gradient()
     step = optimizer_step(opt)
     direction = random_grads(params, 27)
     direction[ZERO_GRAD].zero_()  # nothing refused in this rank's shards

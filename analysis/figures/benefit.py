@@ -80,31 +80,29 @@ def plot_benefit_by_depth(
     return ax
 
 
+def _mark_from(ax: Axes, count: int | None, counts: list[int], linestyle: str, what: str, nowhere: str) -> None:
+    """A vertical line at the snapshot of `count` uniform updates, labelled "WHAT from COUNT
+    updates on"; only the legend entry `nowhere` where the grid holds no such count."""
+    if count in counts:
+        ax.axvline(
+            counts.index(count),
+            color="0.4",
+            linestyle=linestyle,
+            linewidth=1.2,
+            label=f"{what} from {count} updates on",
+        )
+    else:
+        ax.plot([], [], " ", label=nowhere)
+
+
 def _mark_finishing_phase(ax: Axes, phase: FinishingPhase, counts: list[int], mean: np.ndarray) -> None:
     """The finishing-phase length on the depth-averaged panel, whose x axis is the snapshot position."""
     below = f"mean < {phase.fraction:.0%} of switch"
-    if phase.decay_updates in counts:
-        ax.axvline(
-            counts.index(phase.decay_updates),
-            color="0.4",
-            linestyle=":",
-            linewidth=1.2,
-            label=f"{below} from {phase.decay_updates} updates on",
-        )
-    else:
-        ax.plot([], [], " ", label=f"{below}: none within {phase.max_uniform_updates}")
+    within = phase.max_uniform_updates
+    _mark_from(ax, phase.decay_updates, counts, ":", below, f"{below}: none within {within}")
     if phase.per_seed:  # the equivalence bound needs seeds to pair
         shown = f"shown < {phase.fraction:.0%} of switch (one-sided {phase.level:.0%} bound)"
-        if phase.bound_updates in counts:
-            ax.axvline(
-                counts.index(phase.bound_updates),
-                color="0.4",
-                linestyle="--",
-                linewidth=1.2,
-                label=f"{shown} from {phase.bound_updates} updates on",
-            )
-        else:
-            ax.plot([], [], " ", label=f"{shown}: not within {phase.max_uniform_updates}")
+        _mark_from(ax, phase.bound_updates, counts, "--", shown, f"{shown}: not within {within}")
     if phase.first_zero_overlap in counts:
         position = counts.index(phase.first_zero_overlap)
         ax.plot(
