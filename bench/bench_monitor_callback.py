@@ -27,14 +27,14 @@ from pathlib import Path
 import torch
 import transformers
 
-from diag.evalset import evaluation_set, resolve_eval_set
-from diag.families import DEPTHDIAG
-from diag.hf_callbacks import DepthMonitorCallback, ScheduledDepthCallback
-from diag.monitor import monitor_batch_seed
+from diag.arithmetic.families import DEPTHDIAG
+from diag.in_training.hf_callbacks import DepthMonitorCallback, ScheduledDepthCallback
+from diag.in_training.monitor import monitor_batch_seed
+from diag.sources.evalset import evaluation_set, resolve_eval_set
 from trainer.checkpoint import save_checkpoint
 from trainer.config import load_config
-from trainer.data import build_source
-from trainer.export import export_checkpoint
+from trainer.data.sources import build_source
+from trainer.export.model_folder import export_checkpoint
 from trainer.model import LoopedTransformer
 from trainer.optim import build_optimizer
 from trainer.schedules import parse_schedule

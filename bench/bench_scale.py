@@ -15,7 +15,7 @@
    once (every allocation of 64 KiB and up its own mapping): with the commands' heap setting
    (common/heap.py) freed memory stays resident and the peak would be the sum of everything
    ever allocated, not the most alive at once.
-3. The sharded diagnostic's per-rank peak at 2 ranks (diag/sharded.py; the model sharded
+3. The sharded diagnostic's per-rank peak at 2 ranks (diag/arithmetic/sharded.py; the model sharded
    with FSDP2, gloo, one thread per rank) against the same unit's unsharded peak from 2.
    The ranks' own process-group set-up is in both of their baselines.
 
@@ -178,7 +178,7 @@ def memory_probe(kind: str, rows: int, tokens: int) -> None:
     _hand_freed_memory_back()
     import torch.distributed as dist
 
-    from diag.engine import DiagnosticOptions, UpdateDiagnostic
+    from diag.arithmetic.engine import DiagnosticOptions, UpdateDiagnostic
     from trainer.loss import counted_targets, loss_sum_of
     from trainer.optim import build_optimizer
 
@@ -209,7 +209,7 @@ def memory_probe(kind: str, rows: int, tokens: int) -> None:
             update_depths=UPDATE_DEPTHS, serving_depths=SERVING_DEPTHS, eval_batch_size=EVAL_BATCH_SIZE
         )
         if sharded:
-            from diag.sharded import ShardedUpdateDiagnostic as Diagnostic
+            from diag.arithmetic.sharded import ShardedUpdateDiagnostic as Diagnostic
         else:
             Diagnostic = UpdateDiagnostic
         Diagnostic(model, optimizer, eval_tokens, options).compare(batch)

@@ -23,7 +23,7 @@ import torch
 
 from common.heap import keep_freed_memory
 from trainer.config import RunConfig, load_config, replace_section
-from trainer.data import build_source
+from trainer.data.sources import build_source
 from trainer.distributed import resolve_device
 from trainer.flops import update_flops
 from trainer.model import LoopedTransformer

@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from diag.engine import DiagnosticOptions, UpdateDiagnostic
-from diag.sharded import ShardedUpdateDiagnostic
+from diag.arithmetic.engine import DiagnosticOptions, UpdateDiagnostic
+from diag.arithmetic.sharded import ShardedUpdateDiagnostic
 from trainer.checkpoint import gathered_state
 from trainer.config import OptimConfig
 from trainer.distributed import World, shard_model

@@ -8,7 +8,7 @@ RMS_MATCH_CHOICES = ("reference", "geomean", "per-tensor", "none")
 PRECISION_CHOICES = ("fp32", "bf16")
 """Training precision: fp32, or bf16 autocast."""
 EVAL_SET_CHOICES = ("auto", "snapshot", "attributes")
-"""The evaluation set `depthdiag diagnose` scores (see diag/run.py)."""
+"""The evaluation set `depthdiag diagnose` scores (see diag/driver/run.py)."""
 PARALLEL_CHOICES = ("ddp", "fsdp")
 """How torchrun's processes share a training run: replicated weights (DDP) or sharded ones (FSDP2)."""
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -19,7 +19,7 @@ FINISH_RULE_CHOICES = ("fraction", "zero", "either")
 """When a monitor check counts as settled for `depthdiag recommend` (see analysis/recommend.py):
 the mean benefit is below a fraction of the switch's, its interval over batches contains 0, or either."""
 DOCUMENT_CHOICES = ("paragraph", "file")
-"""What a document of a plain-text file is for `depthdiag prepare` (see trainer/prepare.py)."""
+"""What a document of a plain-text file is for `depthdiag prepare` (see trainer/data/prepare.py)."""
 RESAMPLES_RANGE = (100, 10**6)
 """Bootstrap resamples a BCa interval may use, inclusive. Below 100 a 95% interval's tails rest on
 two or three resamples each (and one resample gives no interval at all); at 10**6 one interval over

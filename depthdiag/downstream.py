@@ -1,6 +1,6 @@
 """`depthdiag lm-eval`: lm-evaluation-harness tasks at every serving depth of one checkpoint.
 
-The checkpoint is wrapped once (trainer/lm_harness.py) with all the serving depths; lm-eval's
+The checkpoint is wrapped once (trainer/export/lm_harness.py) with all the serving depths; lm-eval's
 `evaluate` then runs the task list once per depth. The first run scores every
 request at every depth from one pass of max(depths) core iterations per request batch;
 the later runs find every request scored and only apply the task's metrics, so the
@@ -32,7 +32,7 @@ from analysis.downstream import downstream_dataset
 from common.errors import EXIT_BAD_INPUT, InputError
 from common.progress import progress_bar
 from common.provenance import package_version
-from diag.hf import HfInput, read_hf_config, served_hf_model
+from diag.sources.hf import HfInput, read_hf_config, served_hf_model
 from trainer.distributed import resolve_device
 
 
@@ -45,7 +45,7 @@ class DownstreamConfig:
     serving_depths: tuple[int, ...]
     """The depths every task is evaluated at."""
     hf: HfInput | None = None
-    """A Hugging Face model folder instead of `checkpoint`, served as its model family serves (diag/hf.py)."""
+    """A Hugging Face model folder instead of `checkpoint`, served as its model family serves (diag/sources/hf.py)."""
     include_path: Path | None = None
     """A folder of task YAML files besides lm-eval's own (its --include_path)."""
     limit: int | float | None = None
@@ -53,7 +53,7 @@ class DownstreamConfig:
     num_fewshot: int | None = None
     """Few-shot examples per prompt (None: each task's default, 0 for most)."""
     tokenizer: Path | None = None
-    """A tokenizers file over the checkpoint's own tokenizer (trainer/lm_harness.py)."""
+    """A tokenizers file over the checkpoint's own tokenizer (trainer/export/lm_harness.py)."""
     batch_size: int = 32
     """Sequences per forward pass."""
     device: str = "auto"
@@ -86,7 +86,7 @@ def require_harness() -> None:
     try:
         import lm_eval  # noqa: F401
     except ImportError:
-        from trainer.text_tokens import eval_extra_missing
+        from trainer.data.text_tokens import eval_extra_missing
 
         raise eval_extra_missing("lm-eval") from None
 
@@ -167,7 +167,7 @@ def evaluate_once(model, loaded: dict, limit: int | float | None) -> dict:
 def evaluate_downstream(config: DownstreamConfig) -> xr.Dataset:
     """Run `config.tasks` at every serving depth of `config.checkpoint`; see the module docstring."""
     require_harness()
-    from trainer.lm_harness import DepthdiagLM
+    from trainer.export.lm_harness import DepthdiagLM
 
     manager = task_manager(config.include_path, config.tasks)
     check_tasks(manager, config.tasks, config.include_path)
@@ -242,7 +242,7 @@ def _headline(results: dict, depth: int) -> str:
 
 def harness_main(argv: Sequence[str] | None = None) -> None:
     """`depthdiag-lm-eval ARGS`: lm-eval's own command line (`lm_eval ARGS`) with the
-    `depthdiag` model registered (trainer/lm_harness.py), e.g.
+    `depthdiag` model registered (trainer/export/lm_harness.py), e.g.
 
         depthdiag-lm-eval --model depthdiag --model_args checkpoint=runs/x/checkpoints/latest.pt,depth=8 \\
             --tasks hellaswag,piqa,arc_easy
@@ -251,7 +251,7 @@ def harness_main(argv: Sequence[str] | None = None) -> None:
         require_harness()
         from lm_eval.__main__ import cli_evaluate
 
-        import trainer.lm_harness  # noqa: F401 (registers the model)
+        import trainer.export.lm_harness  # noqa: F401 (registers the model)
 
         if argv is not None:
             sys.argv = [sys.argv[0], *argv]

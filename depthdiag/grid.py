@@ -1,7 +1,7 @@
-"""Experiment grids: one TOML file names a base config and the axes to vary; `run_grid`
-trains every cell that is not finished, `collect_grid` evaluates every finished cell
-at many serving depths and writes one xarray/HDF5 file with a dimension per axis
-(schema: analysis/grid_file.py).
+"""Experiment grids: one TOML file names a base config and the axes to vary;
+depthdiag/grid_run.py's `run_grid` trains every cell that is not finished, `collect_grid`
+evaluates every finished cell at many serving depths and writes one xarray/HDF5 file with a
+dimension per axis (schema: analysis/grid_file.py).
 
 A grid file:
 
@@ -27,13 +27,9 @@ may be a table of several assignments; `flops_of = LABEL` sizes a cell to the mo
 of the cell with that label on the same axis (every other coordinate equal), as the
 paper's compute-matched uniform run is.
 
-Every cell trains in its own run directory RUNS/axis=label/.../ with `depthdiag train`
-in a subprocess (so a crash or Ctrl-C of one cell loses nothing the others wrote): a
-cell whose summary.json exists is finished and skipped, one with a checkpoint resumes
-from it bit-exactly, and a directory that holds a run of another config is refused
-before anything starts. Output of each cell goes to RUNS/logs/. With `grid run --executor
-slurm` each unfinished cell is instead one Slurm job through submitit, running the same command
-(depthdiag/slurm.py; output in RUNS/.submitit/).
+Every cell trains in its own run directory RUNS/axis=label/.../; `cell_state` tells a
+finished cell from an interrupted or new one (and refuses a directory that holds a run of
+another config). How the cells are run, as processes or as Slurm jobs: depthdiag/grid_run.py.
 """
 
 from __future__ import annotations
@@ -42,11 +38,7 @@ import itertools
 import json
 import math
 import multiprocessing
-import os
 import re
-import subprocess
-import sys
-import time
 import tomllib
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -55,10 +47,8 @@ from pathlib import Path
 from typing import Any
 
 from common.depths import parse_serving_depths
-from common.errors import InputError, RunFailed
-from common.lock import exclusive_output
+from common.errors import InputError
 from common.progress import progress_bar
-from common.signals import terminate_raises
 from trainer.checkpoint import CHECKPOINT_DIR, checkpoint_name, latest_checkpoint
 from trainer.config import RunConfig, load_config
 from trainer.flops import iso_flop_updates, schedule_flops
@@ -395,7 +385,7 @@ def grid_cells(spec: GridSpec) -> list[Cell]:
     return [cells[key] for key in combos]
 
 
-# --- running --------------------------------------------------------------------------------
+# --- a cell's state in its runs folder (what running and collecting start from) -------------
 
 
 def _stored_config(run_dir: Path) -> RunConfig | None:
@@ -425,129 +415,6 @@ def cell_state(cell: Cell, runs: Path) -> str:
     if latest_checkpoint(run_dir) is not None:
         return "interrupted"
     return "new"
-
-
-@dataclass(frozen=True)
-class GridRunReport:
-    """What `run_grid` did."""
-
-    trained: tuple[str, ...]
-    """Cells trained (or resumed) to the end by this call."""
-    skipped: tuple[str, ...]
-    """Cells that were already finished."""
-
-
-def train_command(spec: GridSpec, cell: Cell, runs: Path, *, resume: bool, processes: int = 1) -> list[str]:
-    """The `depthdiag train` command line that trains (or resumes) `cell`; with `processes` > 1
-    under torchrun (one process per GPU, as docs/training.md describes)."""
-    run_dir = str(runs / cell.name)
-    launcher = [sys.executable, "-m"]
-    if processes > 1:
-        # torch.distributed.run is torchrun of this very interpreter; --standalone picks a free
-        # port, so that several cells on one node do not meet.
-        launcher += ["torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", "-m"]
-    command = [*launcher, "depthdiag", "train", str(spec.base), "--out", run_dir, "--no-progress"]
-    for assignment in cell.overrides:
-        command += ["--set", assignment]
-    # A new cell's directory, if there is one, holds a start of this very cell (cell_state
-    # checked its config) that never reached a checkpoint: start it over.
-    return command + (["--resume", run_dir] if resume else ["--force"])
-
-
-def log_path(runs: Path, name: str) -> Path:
-    """The cell's log under RUNS/logs/ (one flat file per cell)."""
-    return runs / "logs" / (name.replace("/", "__") + ".log")
-
-
-@dataclass(frozen=True)
-class GridPlan:
-    """Every cell of a grid and what a runner does with each in its runs folder."""
-
-    cells: list[Cell]
-    """All cells, in the grid's order."""
-    states: dict[str, str]
-    """Each cell's `cell_state` by name."""
-    pending: list[Cell]
-    """The cells still to train (not finished), in order."""
-    skipped: tuple[str, ...]
-    """The names of the finished cells."""
-
-
-def plan_grid(spec: GridSpec, runs: Path) -> GridPlan:
-    """Every cell of `spec` and its state (`cell_state`) in `runs`: what every runner starts from,
-    so that whichever runs the grid, a finished cell is never trained again."""
-    cells = grid_cells(spec)
-    states = {cell.name: cell_state(cell, runs) for cell in cells}
-    pending = [cell for cell in cells if states[cell.name] != "finished"]
-    return GridPlan(cells, states, pending, tuple(cell.name for cell in cells if states[cell.name] == "finished"))
-
-
-def failed_cells(spec: GridSpec, total: int, failures: Sequence[str]) -> RunFailed:
-    """The error that ends a grid run some of whose cells failed; `failures` describe one cell each."""
-    listed = "; ".join(failures)
-    return RunFailed(f"{spec.path}: {len(failures)} of {total} cells failed: {listed}; rerun to resume them")
-
-
-def run_grid(
-    spec: GridSpec,
-    runs: str | Path,
-    *,
-    jobs: int | None = 1,
-    threads: int = 1,
-    progress: bool = True,
-) -> GridRunReport:
-    """Train every unfinished cell of `spec` into `runs`, `jobs` at a time, each with
-    `threads` torch threads. A failed cell does not stop the others; RunFailed names every
-    failed cell and its log at the end; `jobs` None is 1. (depthdiag/slurm.py's `submit_grid`
-    runs the same cells as one submitit job each.)"""
-    jobs = 1 if jobs is None else jobs
-    if jobs < 1 or threads < 1:
-        raise InputError("--jobs and --threads must be >= 1")
-    runs = Path(runs)
-    plan = plan_grid(spec, runs)
-    cells, states, pending, skipped = plan.cells, plan.states, plan.pending, plan.skipped
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    running: dict[str, tuple[subprocess.Popen, Any]] = {}
-    trained, failed = [], []
-    with (
-        exclusive_output(runs),
-        terminate_raises(),
-        progress_bar(len(cells), "grid", "cell", initial=len(skipped), enabled=progress) as bar,
-    ):
-        (runs / "logs").mkdir(parents=True, exist_ok=True)
-        try:
-            while pending or running:
-                while pending and len(running) < jobs:
-                    cell = pending.pop(0)
-                    log = log_path(runs, cell.name).open("a", encoding="utf-8")
-                    resume = states[cell.name] == "interrupted"
-                    command = train_command(spec, cell, runs, resume=resume)
-                    log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
-                    log.flush()
-                    running[cell.name] = (
-                        subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env),
-                        log,
-                    )
-                    bar.set_postfix_str(", ".join(running))
-                time.sleep(0.2)
-                for name, (process, log) in list(running.items()):
-                    if process.poll() is None:
-                        continue
-                    log.close()
-                    del running[name]
-                    (trained if process.returncode == 0 else failed).append((name, process.returncode))
-                    bar.update(1)
-                    bar.set_postfix_str(", ".join(running))
-        finally:
-            for process, log in running.values():
-                process.terminate()
-                process.wait()
-                log.close()
-    if failed:
-        raise failed_cells(
-            spec, len(cells), [f"{name} (exit {code}, log {log_path(runs, name)})" for name, code in failed]
-        )
-    return GridRunReport(trained=tuple(name for name, _ in trained), skipped=skipped)
 
 
 # --- collecting -----------------------------------------------------------------------------
@@ -654,7 +521,7 @@ def collect_grid(
 
     from analysis.grid import grid_dataset
     from common.provenance import provenance
-    from trainer.data import build_source
+    from trainer.data.sources import build_source
     from trainer.distributed import resolve_device
     from trainer.machine import machine
 

@@ -1,12 +1,13 @@
 """`depthdiag grid run --executor slurm`: every unfinished cell of a grid as one job submitted
 through submitit (the `slurm` extra), waited for with a progress bar.
 
-A cell's job runs the very command the local runner starts (`grid.train_command`: `depthdiag
-train`, or under torchrun with several GPUs per cell) in the folder the grid was submitted
-from, so a cell trains, resumes and fails the same way whichever runner runs it. Which cells
-run is decided by the same `grid.plan_grid`: a finished cell is never submitted again, an
-interrupted one resumes from its newest checkpoint (the job reads the cell's state when it
-starts, so a job Slurm requeues resumes too). Each job's output (the cell's training
+A cell's job runs the very command the local runner starts (`grid_run.train_command`:
+`depthdiag train`, or under torchrun with several GPUs per cell) in the folder the grid was
+submitted from, so a cell trains, resumes and fails the same way whichever runner runs it.
+The plan and the loop are the local runner's (`grid_run.run_cells`); this module only says
+how a cell's job is submitted, followed and cancelled (`_SubmititJobs`). A finished cell is
+never submitted again, an interrupted one resumes from its newest checkpoint (the job reads
+the cell's state when it starts, so a job Slurm requeues resumes too). Each job's output (the cell's training
 log, stderr included) is submitit's `RUNS/.submitit/CELL/JOBID_0_log.out`, and every
 submission is noted in the cell's `RUNS/logs/CELL.log` as the local runner's starts are.
 
@@ -21,7 +22,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,19 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import InputError
-from common.lock import exclusive_output
-from common.progress import progress_bar
-from common.signals import terminate_raises
-from depthdiag.grid import (
-    Cell,
-    GridRunReport,
-    GridSpec,
-    cell_state,
-    failed_cells,
-    log_path,
-    plan_grid,
-    train_command,
-)
+from depthdiag.grid import Cell, GridSpec, cell_state
+from depthdiag.grid_run import CellEnd, GridRunReport, log_path, run_cells, start_note, train_command
 
 SUBMITIT_DIR = ".submitit"
 """The folder below the grid's runs directory where submitit keeps each cell's jobs and logs."""
@@ -114,20 +103,6 @@ def run_cell(spec: GridSpec, cell: Cell, runs: Path, processes: int, env: dict[s
             process.wait()
 
 
-def _cancel(jobs: list, cluster: str) -> None:
-    """Cancel the jobs in flight. A local job's cancel is a SIGINT, which a process started in
-    the background ignores: its controller also gets SIGTERM, which reaches `run_cell`."""
-    for job in jobs:
-        job.cancel(check=False)
-        controller = getattr(job, "_process", None) if cluster == "local" else None
-        if controller is not None and controller.poll() is None:
-            controller.terminate()
-            try:
-                controller.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-
-
 def _executor(submitit, cluster: str, folder: Path, name: str, options: SlurmOptions, threads: int):
     executor = submitit.AutoExecutor(folder=folder, cluster=cluster)
     processes = max(1, options.gpus_per_node)
@@ -152,12 +127,63 @@ def _executor(submitit, cluster: str, folder: Path, name: str, options: SlurmOpt
     return executor
 
 
-def _outcome(job) -> tuple[int | None, str]:
-    """(the training's exit status, or None when the job ended without one, and the job's state)."""
-    try:
-        return job.result(), job.state
-    except Exception:  # submitit's FailedJobError or UncompletedJobError: cancelled, out of time, killed
-        return None, job.state
+class _SubmititJobs:
+    """Each cell as one submitit job of `cluster` ('slurm' or 'local'), for `grid_run.run_cells`."""
+
+    def __init__(self, submitit, cluster: str, spec: GridSpec, runs: Path, options: SlurmOptions, threads: int):
+        self.submitit, self.cluster, self.spec, self.runs = submitit, cluster, spec, runs
+        self.options, self.threads = options, threads
+        self.processes = max(1, options.gpus_per_node)
+        self.env = {"OMP_NUM_THREADS": str(threads)}
+        self.cwd = os.getcwd()
+        # Slurm's job states come from sacct, which submitit asks at most every few seconds
+        # however often it is polled.
+        self.poll_seconds = 0.5 if cluster == "local" else 5
+
+    def start(self, cell: Cell, resume: bool):
+        folder = self.runs / SUBMITIT_DIR / cell.name.replace("/", "__")
+        executor = _executor(self.submitit, self.cluster, folder, cell.name, self.options, self.threads)
+        command = train_command(self.spec, cell, self.runs, resume=resume, processes=self.processes)
+        refused = (self.submitit.core.utils.FailedJobError, self.submitit.core.utils.FailedSubmissionError)
+        try:
+            job = executor.submit(run_cell, self.spec, cell, self.runs, self.processes, self.env, self.cwd)
+        except refused as err:
+            # sbatch refused the job (an unknown partition, a limit on queued jobs: --jobs N)
+            raise InputError(
+                f"{self.spec.path}: cell {cell.name}: submission refused: {' '.join(str(err).split())}"
+            ) from None
+        with log_path(self.runs, cell.name).open("a", encoding="utf-8") as log:
+            log.write(
+                start_note(
+                    f"submitted as {self.cluster} job {job.job_id} (log {job.paths.stdout}): {' '.join(command)}"
+                )
+            )
+        return job
+
+    def ended(self, job) -> CellEnd | None:
+        if not job.done():
+            return None
+        try:
+            code = job.result()
+        except Exception:  # submitit's FailedJobError or UncompletedJobError: cancelled, out of time, killed
+            code = None
+        return CellEnd(code, job.paths.stdout, ending=f"job {job.job_id} ended {job.state}")
+
+    def stop(self, jobs: list) -> str:
+        """Cancel the jobs in flight. A local job's cancel is a SIGINT, which a process started in
+        the background ignores: its controller also gets SIGTERM, which reaches `run_cell`."""
+        for job in jobs:
+            job.cancel(check=False)
+            controller = getattr(job, "_process", None) if self.cluster == "local" else None
+            if controller is not None and controller.poll() is None:
+                controller.terminate()
+                try:
+                    controller.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass
+        ids = " ".join(str(job.job_id) for job in jobs)
+        hint = f"; if one still runs: scancel {ids}" if self.cluster == "slurm" else ""
+        return f"cancelled the jobs in flight ({ids}){hint}"
 
 
 def submit_grid(
@@ -183,62 +209,6 @@ def submit_grid(
             "--executor submitit-local runs the same jobs here)"
         )
     runs = Path(runs)
-    plan = plan_grid(spec, runs)
-    cells, states, pending, skipped = plan.cells, plan.states, plan.pending, plan.skipped
-    env = {"OMP_NUM_THREADS": str(threads)}
-    cwd = os.getcwd()
-    running: dict[str, Any] = {}
-    trained, failed = [], []
-    with (
-        exclusive_output(runs),
-        terminate_raises(),
-        progress_bar(len(cells), "grid", "cell", initial=len(skipped), enabled=progress) as bar,
-    ):
-        (runs / "logs").mkdir(parents=True, exist_ok=True)
-        try:
-            while pending or running:
-                while pending and (jobs is None or len(running) < jobs):
-                    cell = pending.pop(0)
-                    folder = runs / SUBMITIT_DIR / cell.name.replace("/", "__")
-                    executor = _executor(submitit, cluster, folder, cell.name, options, threads)
-                    processes = max(1, options.gpus_per_node)
-                    resume = states[cell.name] == "interrupted"
-                    command = train_command(spec, cell, runs, resume=resume, processes=processes)
-                    try:
-                        job = executor.submit(run_cell, spec, cell, runs, processes, env, cwd)
-                    except (submitit.core.utils.FailedJobError, submitit.core.utils.FailedSubmissionError) as err:
-                        # sbatch refused the job (an unknown partition, a limit on queued jobs: --jobs N)
-                        raise InputError(
-                            f"{spec.path}: cell {cell.name}: submission refused: {' '.join(str(err).split())}"
-                        ) from None
-                    with log_path(runs, cell.name).open("a", encoding="utf-8") as log:
-                        log.write(
-                            f"# {time.strftime('%Y-%m-%d %H:%M:%S')} submitted as {cluster} job {job.job_id} "
-                            f"(log {job.paths.stdout}): {' '.join(command)}\n"
-                        )
-                    running[cell.name] = job
-                    bar.set_postfix_str(", ".join(running))
-                # Slurm's job states come from sacct, which submitit asks at most every few
-                # seconds however often it is polled.
-                time.sleep(0.5 if cluster == "local" else 5)
-                for name, job in list(running.items()):
-                    if not job.done():
-                        continue
-                    del running[name]
-                    code, state = _outcome(job)
-                    if code == 0:
-                        trained.append(name)
-                    else:
-                        ended = f"exit {code}" if code is not None else f"job {job.job_id} ended {state}"
-                        failed.append(f"{name} ({ended}, log {job.paths.stdout})")
-                    bar.update(1)
-                    bar.set_postfix_str(", ".join(running))
-        finally:
-            if running:
-                _cancel(list(running.values()), cluster)
-                ids = " ".join(str(job.job_id) for job in running.values())
-                hint = f"; if one still runs: scancel {ids}" if cluster == "slurm" else ""
-                bar.write(f"cancelled the jobs in flight ({ids}){hint}")
-    if failed:
-        raise failed_cells(spec, len(cells), failed)
-    return GridRunReport(trained=tuple(trained), skipped=skipped)
+    return run_cells(
+        spec, runs, _SubmititJobs(submitit, cluster, spec, runs, options, threads), jobs=jobs, progress=progress
+    )

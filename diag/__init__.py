@@ -4,7 +4,7 @@
 
 runs one (snapshot, batch) unit; `UpdateDiagnostic` shares the per-snapshot work
 (clones of theta and the optimizer state, the NLL before the update) across batches
-(`ShardedUpdateDiagnostic`: the same on an FSDP2-sharded model, docs/scaling.md); `diag.run.diagnose` runs
+(`ShardedUpdateDiagnostic`: the same on an FSDP2-sharded model, docs/scaling.md); `diag.driver.run.diagnose` runs
 many snapshot files, or the `AdaptedModel` an adapter function returns, into one
 results file; `diag.save_snapshot` writes a snapshot folder from any training loop that
 `depthdiag diagnose` reads (`diag.load_snapshot_folder` loads one). See docs/diagnostic.md.
@@ -15,21 +15,46 @@ must not pay for importing torch and xarray just to print its help.
 
 from importlib import import_module
 
+from common.moved import install
+
+install(
+    {
+        "diag.adapter": "diag.sources.adapter",
+        "diag.engine": "diag.arithmetic.engine",
+        "diag.entries": "diag.sources.entries",
+        "diag.evalset": "diag.sources.evalset",
+        "diag.families": "diag.arithmetic.families",
+        "diag.hf": "diag.sources.hf",
+        "diag.hf_callbacks": "diag.in_training.hf_callbacks",
+        "diag.hf_trainer": "diag.sources.hf_trainer",
+        "diag.monitor": "diag.in_training.monitor",
+        "diag.optim_step": "diag.arithmetic.optim_step",
+        "diag.recommend": "diag.in_training.recommend",
+        "diag.run": "diag.driver.run",
+        "diag.sharded": "diag.arithmetic.sharded",
+        "diag.snapshot_folder": "diag.sources.snapshot_folder",
+        "diag.snapshot_loading": "diag.sources.snapshot_loading",
+    }
+)
+
 _HOMES = {
-    "AdaptedModel": "diag.adapter",
-    "BiasCorrectionWarning": "diag.engine",
-    "DepthMonitor": "diag.monitor",
-    "DiagnosticOptions": "diag.engine",
-    "ShardedUpdateDiagnostic": "diag.sharded",
-    "UpdateDiagnostic": "diag.engine",
-    "compare_updates": "diag.engine",
-    "global_cosine": "diag.engine",
-    "global_rms": "diag.engine",
-    "match_rms": "diag.engine",
-    "OptimizerStep": "diag.optim_step",
-    "optimizer_step": "diag.optim_step",
-    "load_snapshot_folder": "diag.snapshot_loading",
-    "save_snapshot": "diag.snapshot_folder",
+    "AdaptedModel": "diag.sources.adapter",
+    "BiasCorrectionWarning": "diag.arithmetic.model_checks",
+    "DEPTHDIAG": "diag.arithmetic.families",
+    "DepthMonitor": "diag.in_training.monitor",
+    "HUGINN": "diag.arithmetic.families",
+    "ModelFamily": "diag.arithmetic.families",
+    "DiagnosticOptions": "diag.arithmetic.engine",
+    "ShardedUpdateDiagnostic": "diag.arithmetic.sharded",
+    "UpdateDiagnostic": "diag.arithmetic.engine",
+    "compare_updates": "diag.arithmetic.engine",
+    "global_cosine": "diag.arithmetic.measures",
+    "global_rms": "diag.arithmetic.measures",
+    "match_rms": "diag.arithmetic.measures",
+    "OptimizerStep": "diag.arithmetic.optim_step",
+    "optimizer_step": "diag.arithmetic.optim_step",
+    "load_snapshot_folder": "diag.sources.snapshot_loading",
+    "save_snapshot": "diag.sources.snapshot_folder",
 }
 
 __all__ = sorted(_HOMES)

@@ -27,7 +27,7 @@ import xarray as xr
 
 from trainer.checkpoint import save_checkpoint, save_snapshot
 from trainer.config import DataConfig, OptimConfig, RunConfig, TrainConfig
-from trainer.data import build_source
+from trainer.data.sources import build_source
 from trainer.model import LoopedTransformer, ModelConfig
 from trainer.optim import build_optimizer
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from diag.engine import DiagnosticOptions, UpdateDiagnostic
+from diag.arithmetic.engine import DiagnosticOptions, UpdateDiagnostic
 
 VOCAB, SEQ, UNITS = 32, 8, 4
 

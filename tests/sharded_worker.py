@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from diag.engine import DiagnosticOptions
-from diag.sharded import ShardedUpdateDiagnostic
+from diag.arithmetic.engine import DiagnosticOptions
+from diag.arithmetic.sharded import ShardedUpdateDiagnostic
 from trainer.config import OptimConfig
 from trainer.model import LoopedTransformer, ModelConfig
 from trainer.optim import build_optimizer

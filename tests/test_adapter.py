@@ -17,8 +17,8 @@ import diag
 from analysis.store import open_results
 from common.errors import InputError
 from depthdiag.cli import main
-from diag.adapter import AdaptedModel, load_adapter, parse_adapter_args
-from diag.families import ModelFamily
+from diag.arithmetic.families import ModelFamily
+from diag.sources.adapter import AdaptedModel, load_adapter, parse_adapter_args
 
 VOCAB, SEQ = 40, 10
 UPDATE_DEPTHS, SERVING = (1, 4), (1, 2, 3, 6)
@@ -199,7 +199,7 @@ def test_adapted_model_and_its_arguments_are_checked():
         load_adapter(f"{__name__}:not_adapted")
 
 
-@pytest.mark.filterwarnings("ignore::diag.engine.BiasCorrectionWarning")
+@pytest.mark.filterwarnings("ignore::diag.BiasCorrectionWarning")
 def test_an_adapter_carries_its_training_precision_and_evaluation_mask(tmp_path):
     out = tmp_path / "bf16.h5"
     args = ["--adapter", f"{__name__}:huginn", "--adapter-arg", "steps=3", "--adapter-arg", "precision=bf16"]

@@ -25,13 +25,13 @@ import diag
 from analysis.store import open_results
 from common.errors import InputError
 from depthdiag.cli import main
-from diag.families import HUGINN, ModelFamily
-from diag.snapshot_folder import DOCUMENT, OPTIMIZER_STATE
-from diag.snapshot_loading import load_snapshot_folder
+from diag.arithmetic.families import HUGINN, ModelFamily
+from diag.sources.snapshot_folder import DOCUMENT, OPTIMIZER_STATE
+from diag.sources.snapshot_loading import load_snapshot_folder
 from trainer.model import LoopedTransformer, ModelConfig
 from trainer.scoring import output_logits
 
-pytestmark = pytest.mark.filterwarnings("ignore::diag.engine.BiasCorrectionWarning")  # a few steps: young, on purpose
+pytestmark = pytest.mark.filterwarnings("ignore::diag.BiasCorrectionWarning")  # a few steps: young, on purpose
 
 VOCAB, SEQ, ROWS = 48, 8, 4
 UPDATE_DEPTHS, SERVING = (2, 10), (1, 4, 10)
@@ -171,7 +171,7 @@ def test_a_plain_modules_snapshot_diagnoses_as_compare_updates_on_the_live_model
 
 def test_family_calls_a_folders_model_in_place_of_the_family_it_carries(huginn, tmp_path, monkeypatch):
     (tmp_path / "folder_families.py").write_text(
-        "from diag.families import ModelFamily\n"
+        "from diag.arithmetic.families import ModelFamily\n"
         "FULL = ModelFamily('huginn-full', depth_kwarg='num_steps', pair_depth=True)\n"
     )
     monkeypatch.chdir(tmp_path)

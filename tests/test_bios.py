@@ -1,4 +1,4 @@
-"""trainer/bios.py, the bioS task, and its scoring (trainer/scoring.py)."""
+"""trainer/data/bios.py, the bioS task, and its scoring (trainer/scoring.py)."""
 
 import math
 import re
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from common.errors import InputError
-from trainer.bios import ATTRIBUTES, SEP, BiosSource, BiosSpec
 from trainer.config import load_config
-from trainer.data import TokenSource, build_source
+from trainer.data.bios import ATTRIBUTES, SEP, BiosSource, BiosSpec
+from trainer.data.sources import TokenSource, build_source
 from trainer.model import LoopedTransformer, ModelConfig
 from trainer.scoring import exact_values, logits_by_depth, nll_by_depth, recall_bits, score_recall
 

@@ -19,7 +19,7 @@ from common.errors import InputError
 from depthdiag.cli import main
 from trainer.checkpoint import FORMAT_VERSION, atomic_torch_save, latest_checkpoint, load_snapshot, save_snapshot
 from trainer.config import RunConfig
-from trainer.data import build_source
+from trainer.data.sources import build_source
 from trainer.flops import update_flops
 from trainer.loss import training_loss
 from trainer.model import LoopedTransformer

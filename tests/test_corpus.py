@@ -1,4 +1,4 @@
-"""trainer/corpus.py on small synthetic archives: no download, no network."""
+"""trainer/data/corpus.py on small synthetic archives: no download, no network."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from common.errors import InputError
-from trainer import corpus
 from trainer.config import load_config
-from trainer.data import TEXT_HELD_OUT_FRACTION, open_text_source
+from trainer.data import corpus
+from trainer.data.sources import TEXT_HELD_OUT_FRACTION, open_text_source
 
 ROOT = Path(__file__).resolve().parents[1]
 MEMBER = "fake-1.0/bible/data/kjv.jsonl"
@@ -181,7 +181,7 @@ def test_cli_reports_errors_on_one_line(tmp_path, capsys, monkeypatch, archive):
 
 
 def test_building_a_corpus_imports_neither_torch_nor_numpy():
-    code = "import sys, trainer.corpus; sys.exit(bool({'torch', 'numpy'} & set(sys.modules)))"
+    code = "import sys, trainer.data.corpus; sys.exit(bool({'torch', 'numpy'} & set(sys.modules)))"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
 

@@ -1,4 +1,4 @@
-"""trainer/data.py: the token sources."""
+"""trainer/data/sources.py: the token sources."""
 
 import json
 
@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-import trainer.data
+import trainer.data.sources
 from common.errors import InputError
 from trainer.config import DataConfig
-from trainer.data import TokenSource, build_source
+from trainer.data.sources import TokenSource, build_source
 
 
 def write_bins(directory, train, val, dtype="uint16", meta=None):
@@ -142,7 +142,7 @@ def test_bin_ids_past_meta_json_vocab_size_are_refused_at_open_naming_the_file_a
 
 
 def test_bin_ids_past_the_scanned_prefix_are_caught_in_every_batch(tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer.data, "SCAN_TOKENS", 16)
+    monkeypatch.setattr(trainer.data.sources, "SCAN_TOKENS", 16)
     tokens = np.full(400, 200)
     tokens[:16] = np.arange(16)  # the scanned prefix is clean
     source = write_bins(tmp_path, tokens, tokens, meta={"vocab_size": 128})

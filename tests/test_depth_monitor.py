@@ -15,8 +15,8 @@ from huginn_convention import HuginnConvention
 import diag
 from analysis.monitor import open_monitor
 from common.errors import InputError
-from diag.families import HUGINN
-from diag.monitor import window_batches
+from diag.arithmetic.families import HUGINN
+from diag.in_training.monitor import window_batches
 
 UPDATES, EVERY = 12, 4
 TOKENS = torch.randint(0, 48, (4000,), generator=torch.Generator().manual_seed(0))

@@ -1,4 +1,4 @@
-"""`depthdiag diagnose` under torchrun (diag/run.py, "across ranks"): two gloo processes on the
+"""`depthdiag diagnose` under torchrun (diag/driver/run.py, "across ranks"): two gloo processes on the
 CPU write the results file one process writes, resume an interrupted run, and stop together
 on a non-finite unit. Every run here is a subprocess with one thread, so that the float
 reductions of one process and of each rank group the same way."""
@@ -12,7 +12,7 @@ import xarray as xr
 from helpers import run_depthdiag, write_run
 
 from common.errors import InputError
-from diag.run import DiagnoseConfig, diagnose
+from diag.driver.run import DiagnoseConfig, diagnose
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,6 +66,7 @@ def comparable(path: Path) -> xr.Dataset:
     return ds
 
 
+@pytest.mark.slow  # 2 ranks twice, 35 s; 2 ranks stay in make test (a non-finite unit, the sharded file)
 def test_two_ranks_write_the_file_one_process_writes_and_resume_it(run, tmp_path):
     snapshots = [run[4], run[2], run["checkpoint"]]
     single = tmp_path / "single.h5"

@@ -1,4 +1,4 @@
-"""diag/run.py, the driver of `depthdiag diagnose` (depthdiag/cli/diagnose.py): snapshot files in,
+"""diag/driver/run.py, the driver of `depthdiag diagnose` (depthdiag/cli/diagnose.py): snapshot files in,
 one results file out; resume after a kill."""
 
 import json
@@ -21,15 +21,15 @@ from analysis.store import open_results, write_dataset
 from common.depths import parse_update_depths
 from common.errors import InputError
 from depthdiag.cli import main
-from diag.run import DiagnoseConfig, diagnose
+from diag.driver.run import DiagnoseConfig, diagnose
 from trainer.checkpoint import load_snapshot
 from trainer.config import DataConfig, RunConfig
-from trainer.data import build_source
+from trainer.data.sources import build_source
 from trainer.model import ModelConfig
 
 # The runs here are a few updates long, so compare_updates warns about Adam's bias correction
 # throughout; the warning the command prints has its own test at the end.
-pytestmark = pytest.mark.filterwarnings("ignore::diag.engine.BiasCorrectionWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::diag.BiasCorrectionWarning")
 
 
 @pytest.fixture(scope="module")
@@ -124,14 +124,14 @@ def interrupted_after_one_unit(monkeypatch, args: list, out: Path) -> None:
 
 
 def test_a_resume_on_another_machine_is_refused_and_keeps_the_finished_units(run, tmp_path, monkeypatch):
-    import diag.run as run_module
+    import diag.driver.parts as parts_module
 
     args = [run[2], "--batches", 2, *SMALL]
     out, parts = tmp_path / "r.h5", tmp_path / "r.h5.parts"
     interrupted_after_one_unit(monkeypatch, args, out)
     finished = listing(parts)
-    elsewhere = {**run_module.machine("cpu"), "bf16_matmul": "another kernel"}
-    monkeypatch.setattr(run_module, "machine", lambda device: elsewhere)
+    elsewhere = {**parts_module.machine("cpu"), "bf16_matmul": "another kernel"}
+    monkeypatch.setattr(parts_module, "machine", lambda device: elsewhere)
     result = cli(*args, "--out", out, "--resume")
     assert result.exit_code == 2
     assert "the unfinished run computed its units on " in result.stderr
@@ -270,10 +270,10 @@ def comparable(path):
 HOLD_AFTER_TWO_UNITS = """
 import os, sys, threading
 from pathlib import Path
-import diag.run
+import diag.driver.run
 from depthdiag.cli import main
 
-report, write, written = int(sys.argv[1]), diag.run.write_dataset, []
+report, write, written = int(sys.argv[1]), diag.driver.run.write_dataset, []
 
 def write_then_hold(ds, path):
     write(ds, path)
@@ -283,7 +283,7 @@ def write_then_hold(ds, path):
             os.write(report, b"2")
             threading.Event().wait()
 
-diag.run.write_dataset = write_then_hold
+diag.driver.run.write_dataset = write_then_hold
 main(sys.argv[2:], prog_name="depthdiag")
 """
 

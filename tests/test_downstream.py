@@ -1,5 +1,5 @@
 """`depthdiag lm-eval` (depthdiag/downstream.py), the `depthdiag` model of lm-evaluation-harness
-(trainer/lm_harness.py), the downstream file and Figure 3's bottom row (analysis/downstream.py,
+(trainer/export/lm_harness.py), the downstream file and Figure 3's bottom row (analysis/downstream.py,
 analysis/figures/downstream.py), offline: a small local multiple-choice task
 (tests/data/lm_eval_tasks) and a randomly initialised byte-level checkpoint. Every accuracy is
 checked against a hand computation from plain forwards of the model at each depth."""
@@ -315,7 +315,7 @@ def test_an_unknown_task_is_refused_against_all_of_lm_evals_tasks(harness, check
 
 def test_a_bios_checkpoint_has_no_text_tokenizer(tmp_path):
     from common.errors import InputError
-    from trainer.text_tokens import resolve_tokenizer
+    from trainer.data.text_tokens import resolve_tokenizer
 
     with pytest.raises(InputError, match="bioS"):
         resolve_tokenizer(RunConfig(), None, tmp_path / "bios.pt")
@@ -323,8 +323,8 @@ def test_a_bios_checkpoint_has_no_text_tokenizer(tmp_path):
 
 def test_a_bin_checkpoint_reads_the_tokenizer_its_meta_json_names(tmp_path):
     from common.errors import InputError
-    from trainer.prepare import PrepareConfig, load_tokenizer, prepare
-    from trainer.text_tokens import resolve_tokenizer
+    from trainer.data.prepare import PrepareConfig, load_tokenizer, prepare
+    from trainer.data.text_tokens import resolve_tokenizer
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"the cat {i} sat on the mat of dog {i}\n\n" for i in range(40)), encoding="utf-8")
@@ -383,7 +383,7 @@ class Request:
 
 
 def test_rolling_log_likelihood_scores_every_byte_once_with_the_context_that_fits(harness, checkpoint):
-    from trainer.lm_harness import DepthdiagLM
+    from trainer.export.lm_harness import DepthdiagLM
 
     short, long = "a short text", "a longer text that does not fit in one window of sixty-four bytes, so it is cut"
     model = DepthdiagLM(checkpoint, depths=(1, 3), batch_size=BATCH_SIZE, progress=False)
@@ -408,7 +408,7 @@ def test_rolling_log_likelihood_scores_every_byte_once_with_the_context_that_fit
 
 
 def test_generation_is_greedy_at_the_depth_and_stops_before_the_stop_string(harness, checkpoint):
-    from trainer.lm_harness import DepthdiagLM
+    from trainer.export.lm_harness import DepthdiagLM
 
     model = DepthdiagLM(checkpoint, depth=2, progress=False)
     plain = load_snapshot(checkpoint).model().eval()

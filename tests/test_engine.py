@@ -18,16 +18,9 @@ import xarray as xr
 import diag
 from common.choices import RMS_MATCH_CHOICES
 from common.errors import InputError
-from diag.engine import (
-    BiasCorrectionWarning,
-    DiagnosticOptions,
-    UnchangedByDepthWarning,
-    UpdateDiagnostic,
-    bias_correction_message,
-    global_cosine,
-    global_rms,
-    match_rms,
-)
+from diag.arithmetic.engine import DiagnosticOptions, UpdateDiagnostic
+from diag.arithmetic.measures import global_cosine, global_rms, match_rms
+from diag.arithmetic.model_checks import BiasCorrectionWarning, UnchangedByDepthWarning, bias_correction_message
 from trainer.config import OptimConfig
 from trainer.loss import clip_gradients_, training_loss
 from trainer.model import LoopedTransformer, ModelConfig
@@ -36,7 +29,7 @@ from trainer.scoring import nll_by_depth as scoring_nll_by_depth
 
 # The test optimizers have taken a few steps, so compare_updates warns about Adam's bias
 # correction throughout; the warning has its own test at the end.
-pytestmark = pytest.mark.filterwarnings("ignore::diag.engine.BiasCorrectionWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::diag.BiasCorrectionWarning")
 
 VOCAB, SEQ = 48, 12
 UPDATE_DEPTHS, SERVING = (2, 6), tuple(range(1, 9))

@@ -22,7 +22,7 @@ from common.lock import exclusive_output
 from depthdiag.cli import main
 from trainer.checkpoint import file_sha256, load_snapshot, save_checkpoint, save_snapshot
 from trainer.config import DataConfig, OptimConfig, RunConfig, TrainConfig
-from trainer.export import EXPORT_FORMAT_VERSION, export_checkpoint
+from trainer.export.model_folder import EXPORT_FORMAT_VERSION, export_checkpoint
 from trainer.model import LoopedTransformer, ModelConfig
 from trainer.optim import build_optimizer
 

@@ -1,4 +1,4 @@
-"""Model families (diag/families.py): a Huginn-convention model is refused when called raw and
+"""Model families (diag/arithmetic/families.py): a Huginn-convention model is refused when called raw and
 diagnosed correctly through its family, and a model that truncates backprop in its own forward
 and returns a tuple is diagnosed through a family that says both, each against an independent
 recomputation in plain torch."""
@@ -14,8 +14,9 @@ from huginn_convention import HuginnConvention, Output
 
 import diag
 from common.errors import InputError
-from diag.engine import CRN_SEED, BiasCorrectionWarning, sequence_seed
-from diag.families import DEPTHDIAG, HUGINN, ModelFamily, detect_family, resolve_family
+from diag.arithmetic.families import DEPTHDIAG, HUGINN, ModelFamily, detect_family, resolve_family
+from diag.arithmetic.model_checks import BiasCorrectionWarning
+from diag.arithmetic.random_streams import CRN_SEED, sequence_seed
 
 VOCAB, SEQ = 48, 10
 UPDATE_DEPTHS, SERVING = (3, 11), (1, 3, 11)
@@ -123,7 +124,7 @@ def test_called_raw_the_huginn_convention_is_refused_for_its_missing_gradients()
         InputError,
         match=r"^\d+ of \d+ trainable parameters get no gradient at update depth 3 \(.*\); the forward runs its loop "
         r"without gradient for an integer num_steps and with gradient for a pair .* through a pair-depth family: "
-        r"family=diag.families.HUGINN \(--family huginn\)",
+        r"family=diag.HUGINN \(--family huginn\)",
     ):
         diagnose(model, optimizer, tokens(4, 1), tokens(6, 2), depth_kwarg="num_steps")
 
@@ -175,11 +176,11 @@ def test_a_family_contradicting_depth_kwarg_is_refused():
 def test_families_resolve_by_name_by_module_and_by_model_type(tmp_path, monkeypatch):
     assert resolve_family("huginn") is HUGINN
     (tmp_path / "my_families.py").write_text(
-        "from diag.families import ModelFamily\nOURO = ModelFamily('ouro', depth_kwarg='n_loops')\nNOT = 3\n"
+        "from diag.arithmetic.families import ModelFamily\nOURO = ModelFamily('ouro', depth_kwarg='n_loops')\nNOT = 3\n"
     )
     monkeypatch.chdir(tmp_path)
     assert resolve_family("my_families:OURO").depth_kwarg == "n_loops"
-    with pytest.raises(InputError, match=r"^--family my_families:NOT: 'NOT' is a int, not a diag.families.ModelFamily"):
+    with pytest.raises(InputError, match=r"^--family my_families:NOT: 'NOT' is a int, not a diag.ModelFamily"):
         resolve_family("my_families:NOT")
     with pytest.raises(InputError, match=r"^--family 'ouro': not a known family \(depthdiag, huginn\)"):
         resolve_family("ouro")

@@ -253,6 +253,7 @@ def test_fsdp_compiles_its_blocks(tmp_path):
     assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "eager"), rel=1e-5)
 
 
+@pytest.mark.slow  # 30 s; the sharded diagnose at 2 ranks stays in make test (test_sharded_diag.py)
 def test_a_sharded_checkpoint_is_diagnosed_whole_and_shard_by_shard(runs, tmp_path):
     """`diagnose` of the fsdp run's step_000050.dcp/ and of a snapshot folder in one process
     (the shards gathered into a plain model) and at 2 ranks with --sharded (each rank loading

@@ -5,7 +5,6 @@ that submits only the cells that have not finished."""
 
 import json
 import os
-import random
 import sys
 from pathlib import Path
 
@@ -16,28 +15,25 @@ from click.testing import CliRunner
 
 pytest.importorskip("submitit")
 
-from test_depthdiag_grid import (  # noqa: E402  (the toy corpus and base config, a grid stopped mid-cell)
-    BASE,
+from grid_helpers import (  # noqa: E402
     KILLED_GRID,
-    WORDS,
     final_weights,
     grid_stopped_after_a_checkpoint,
+    toy_grid_folder,
     write_grid,
 )
 
 from common.errors import InputError, RunFailed  # noqa: E402
 from depthdiag.cli import main  # noqa: E402
-from depthdiag.grid import cell_state, collect_grid, grid_cells, load_grid, run_grid, train_command  # noqa: E402
+from depthdiag.grid import cell_state, collect_grid, grid_cells, load_grid  # noqa: E402
+from depthdiag.grid_run import run_grid, train_command  # noqa: E402
 from depthdiag.slurm import SUBMITIT_DIR, SlurmOptions, run_cell, submit_grid  # noqa: E402
 
 
 @pytest.fixture
 def folder(tmp_path) -> Path:
-    """test_depthdiag_grid's folder: a byte-level text corpus and a toy base config (seconds per run)."""
-    rng = random.Random(0)
-    (tmp_path / "corpus.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(4000)), encoding="utf-8")
-    (tmp_path / "base.toml").write_text(BASE.format(corpus=tmp_path / "corpus.txt"), encoding="utf-8")
-    return tmp_path
+    """The grid tests' folder: a byte-level text corpus and a toy base config (seconds per run)."""
+    return toy_grid_folder(tmp_path)
 
 
 TWO_CELLS = '[axes]\nschedule = ["fixed:2", "uniform:1-4"]\n'
@@ -82,6 +78,7 @@ def test_the_submitit_path_collects_what_the_local_runner_does(folder):
     assert all(submissions(folder / "jobs", cell.name) == 1 for cell in grid_cells(spec))
 
 
+@pytest.mark.slow  # 16 s; the shared loop's failure path stays in make test (test_depthdiag_grid.py)
 def test_a_failed_cell_is_named_with_its_log_and_a_rerun_submits_only_it(folder, monkeypatch):
     spec = load_grid(write_grid(folder, ONE_FAILS))
     runs = folder / "runs"

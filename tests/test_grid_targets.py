@@ -148,6 +148,7 @@ PILOT = (
 )
 
 
+@pytest.mark.slow  # the make pipeline, 40 s; its parts have their own tests in make test
 def test_finishing_phase_end_to_end(tmp_path):
     """Pilot with the monitor -> recommend (its grid file) -> the grid trained and collected
     -> the paired comparison, through `make finishing-phase`."""

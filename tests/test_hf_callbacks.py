@@ -1,4 +1,4 @@
-"""The Trainer callbacks (diag/hf_callbacks.py): a real transformers.Trainer run of a tiny looped
+"""The Trainer callbacks (diag/in_training/hf_callbacks.py): a real transformers.Trainer run of a tiny looped
 model on CPU, its depth drawn per step from a fixed-first schedule, with the depth-need monitor and
 a switch snapshot: monitor.h5 is written, its checks and `diagnose` on the snapshot are
 compare_updates on the Trainer's own state, `recommend` reads the file, and the training ends
@@ -13,19 +13,21 @@ import pytest
 import torch
 from click.testing import CliRunner
 from helpers import TokenRows
-from test_hf_export import VOCAB, write_checkpoint
+from hf_helpers import VOCAB, write_checkpoint
 
 import diag
 from analysis.monitor import open_monitor
 from analysis.store import open_results
 from depthdiag.cli import main
-from diag.families import DEPTHDIAG
-from diag.monitor import window_batches
+from diag.arithmetic.families import DEPTHDIAG
+from diag.in_training.monitor import window_batches
 
 transformers = pytest.importorskip("transformers")
-from diag.hf_callbacks import DepthMonitorCallback, ScheduledDepthCallback, SnapshotCallback  # noqa: E402
+from diag.in_training.hf_callbacks import DepthMonitorCallback, ScheduledDepthCallback, SnapshotCallback  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore::diag.engine.BiasCorrectionWarning")  # a few dozen steps: young
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::diag.arithmetic.engine.BiasCorrectionWarning"
+)  # a few dozen steps: young
 SEQ, ROWS, UPDATES, EVERY, SWITCH, CAPTURED = 12, 4, 24, 6, 12, 18
 SCHEDULE = "fixed-first:k0=2,switch=0.5,finish=uniform:1-4"
 

@@ -17,16 +17,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
+from hf_helpers import SEQ, VOCAB, write_checkpoint
 
 from depthdiag.cli import main
-from trainer.checkpoint import file_sha256, load_snapshot, save_checkpoint
+from trainer.checkpoint import file_sha256, load_snapshot
 from trainer.config import RunConfig
 from trainer.model import LoopedTransformer
-from trainer.optim import build_optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ROOT / "tests" / "data" / "lm_eval_tasks"
-SEQ, VOCAB = 12, 200
 PROJECT_PACKAGES = {"common", "trainer", "diag", "analysis", "depthdiag"}
 
 
@@ -42,37 +41,6 @@ def transformers():
 def cli(*args):
     result = CliRunner().invoke(main, ["export", *map(str, args)])
     return result.exit_code, result.stdout, result.stderr
-
-
-def write_checkpoint(path: Path, *, schedule: str = "uniform:1-16", data: dict | None = None, **model) -> Path:
-    """A checkpoint of a model whose weights are its own and whose output depends on the depth:
-    the core's matrices are drawn wide, so every iteration moves the state far."""
-    config = RunConfig.from_dict(
-        {
-            "model": {"vocab_size": VOCAB, "max_seq_len": SEQ, "d_model": 32, "n_heads": 2, "init_std": 0.2, **model},
-            "data": data or {"bios_people": 20, "eval_sequences": 2},
-            "train": {"schedule": schedule, "updates": 8, "batch_size": 2, "seq_len": SEQ, "device": "cpu"},
-        }
-    )
-    torch.manual_seed(len(model))
-    net = LoopedTransformer(config.model)
-    with torch.no_grad():
-        for p in net.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-        for weight in net.core.parameters():
-            if weight.ndim == 2:
-                weight.normal_(0.0, 0.5)
-    return save_checkpoint(
-        path,
-        config=config,
-        step=7,
-        uniform_updates=0,
-        model=net,
-        optimizer=build_optimizer(net, config.optim),
-        lr=1e-3,
-        eval_tokens=torch.zeros((2, SEQ + 1), dtype=torch.long),
-        progress={},
-    )
 
 
 def greedy(reference: LoopedTransformer, ids: torch.Tensor, new_tokens: int, depth: int) -> torch.Tensor:
@@ -169,8 +137,8 @@ def test_padded_rows_get_the_logits_of_their_own_tokens(transformers, tmp_path):
 
 
 def test_the_folder_holds_the_model_its_code_and_its_provenance(transformers, tmp_path):
-    from trainer.hf_export import MODEL_TYPE
-    from trainer.hf_export.configuration_depthdiag import MODEL_TYPE as CONFIG_MODEL_TYPE
+    from trainer.export.hf import MODEL_TYPE
+    from trainer.export.hf.configuration_depthdiag import MODEL_TYPE as CONFIG_MODEL_TYPE
 
     source = write_checkpoint(tmp_path / "model.pt", tie_embeddings=True, schedule="fixed:5")
     out = tmp_path / "hf"
@@ -226,7 +194,7 @@ def test_the_folder_holds_the_model_its_code_and_its_provenance(transformers, tm
             elif isinstance(node, ast.Import):
                 assert all(alias.name.split(".")[0] not in PROJECT_PACKAGES for alias in node.names), name
     assert "class InputError(ValueError)" in (out / "looped_transformer.py").read_text(encoding="utf-8")
-    templates = ROOT / "trainer" / "hf_export"
+    templates = ROOT / "trainer" / "export" / "hf"
     for name in ("configuration_depthdiag.py", "modeling_depthdiag.py"):
         assert (out / name).read_bytes() == (templates / name).read_bytes()
 
@@ -314,7 +282,7 @@ def test_force_replaces_an_export_of_either_format_and_nothing_else(transformers
 
 def test_bad_options_are_one_line(transformers, tmp_path):
     from depthdiag.cli.export import FORMATS
-    from trainer.export import EXPORT_FORMATS
+    from trainer.export.model_folder import EXPORT_FORMATS
 
     assert FORMATS == EXPORT_FORMATS  # the CLI spells them out so that --help imports no torch
     source = write_checkpoint(tmp_path / "model.pt")
@@ -348,8 +316,8 @@ def test_depthdiag_imports_and_exports_safetensors_without_importing_transformer
     source = write_checkpoint(tmp_path / "model.pt")
     code = (
         "import sys\n"
-        "from trainer.export import export_checkpoint\n"
-        "import trainer.hf_export\n"
+        "from trainer.export.model_folder import export_checkpoint\n"
+        "import trainer.export.hf\n"
         f"export_checkpoint({str(source)!r}, {str(tmp_path / 'out')!r})\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))\n"
     )
@@ -359,7 +327,7 @@ def test_depthdiag_imports_and_exports_safetensors_without_importing_transformer
 
 def test_the_model_source_must_keep_its_one_project_import():
     import trainer.model
-    from trainer.hf_export.writer import standalone_model_source
+    from trainer.export.hf.writer import standalone_model_source
 
     source = Path(trainer.model.__file__).read_text(encoding="utf-8")
     copy = standalone_model_source(source)
@@ -380,7 +348,7 @@ def test_the_model_source_must_keep_its_one_project_import():
 @pytest.fixture(scope="module")
 def bin_run(tmp_path_factory, transformers):
     """A checkpoint of a `bin` run (a tokenizer `depthdiag prepare` trained), exported with --format hf."""
-    from trainer.prepare import PrepareConfig, prepare
+    from trainer.data.prepare import PrepareConfig, prepare
 
     directory = tmp_path_factory.mktemp("bin-run")
     corpus = directory / "corpus.txt"
@@ -408,7 +376,7 @@ def bin_run(tmp_path_factory, transformers):
 
 
 def test_the_runs_tokenizer_loads_beside_the_model(bin_run, transformers):
-    from trainer.text_tokens import resolve_tokenizer
+    from trainer.data.text_tokens import resolve_tokenizer
 
     source, out, meta, data = bin_run
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("tokenizer")) == [
@@ -433,7 +401,7 @@ def test_lm_evals_hf_model_scores_the_export_as_depthdiag_lm_eval_does(bin_run, 
     from lm_eval.tasks import TaskManager
 
     from analysis.downstream import open_downstream
-    from trainer.text_tokens import resolve_tokenizer
+    from trainer.data.text_tokens import resolve_tokenizer
 
     source, out, _, _ = bin_run
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))

@@ -1,4 +1,4 @@
-"""Hugging Face model folders as inputs (`--hf DIR`, diag/hf.py): a Huginn-convention remote-code
+"""Hugging Face model folders as inputs (`--hf DIR`, diag/sources/hf.py): a Huginn-convention remote-code
 folder is detected as the huginn family, evaluated and diagnosed as it trains and serves, and
 a folder without optimizer state gets only the labelled estimate, checked by hand here."""
 
@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from analysis.store import open_results
 from depthdiag.cli import main
-from diag.engine import CRN_SEED
+from diag.arithmetic.random_streams import CRN_SEED
 
 pytest.importorskip("transformers")
 from huginn_convention_hf import new_model, write_folder  # noqa: E402
@@ -66,7 +66,7 @@ def test_eval_scores_each_depth_as_the_family_serves(folder, data):
     assert code == 0, output
     assert "model family huginn" in output
     printed = [float(line.split()[1]) for line in output.splitlines() if line.strip()[:1].isdigit()]
-    from trainer.data import open_bin_source
+    from trainer.data.sources import open_bin_source
 
     eval_tokens = open_bin_source(data).eval_tokens(6, SEQ)
     model = loaded(folder).eval()
@@ -92,8 +92,8 @@ def test_a_folder_without_optimizer_state_needs_the_labelled_estimate(folder, da
 
 
 def test_diagnose_with_estimated_second_moments_matches_a_hand_estimate(folder, data, tmp_path):
-    from diag.hf import ESTIMATE_STEP_OFFSET, HfInput, TokenSpec, hf_adapted_model
-    from trainer.data import open_bin_source
+    from diag.sources.hf import ESTIMATE_STEP_OFFSET, HfInput, TokenSpec, hf_adapted_model
+    from trainer.data.sources import open_bin_source
 
     out = tmp_path / "r.h5"
     args = ("--train-batch-size", 4, "--estimate-optimizer", 2, "--lr", "1e-3", "--batches", 2, "--grad-clip", 1.0)
@@ -150,13 +150,13 @@ def test_an_unknown_model_type_asks_for_a_family(folder, data, tmp_path):
     assert code == 2
     assert output.strip().endswith(
         "model_type 'mystery' is no known model family [depthdiag (depthdiag_looped), huginn (huginn_raven)]; say how "
-        "to call it with --family NAME or --family MODULE:NAME (a diag.families.ModelFamily, docs/diagnostic.md)"
+        "to call it with --family NAME or --family MODULE:NAME (a diag.ModelFamily, docs/diagnostic.md)"
     )
 
 
 def test_a_family_of_ones_own_is_named_by_module(folder, data, tmp_path, monkeypatch):
     (tmp_path / "pair_families.py").write_text(
-        "from diag.families import ModelFamily\n"
+        "from diag.arithmetic.families import ModelFamily\n"
         "FULL = ModelFamily('huginn-full', depth_kwarg='num_steps', pair_depth=True)\n"
     )
     monkeypatch.chdir(tmp_path)

@@ -1,4 +1,4 @@
-"""diag.hf_trainer: the optimizer of a transformers.Trainer checkpoint, rebuilt, against a real
+"""diag.sources.hf_trainer: the optimizer of a transformers.Trainer checkpoint, rebuilt, against a real
 Trainer run on the CPU (a tiny Llama and a tiny GPT-2 built from configs, nothing downloaded),
 and the estimated second moments for a checkpoint without optimizer state."""
 
@@ -19,15 +19,16 @@ import torch
 import torch.nn as nn
 
 from common.errors import InputError
-from diag.engine import BiasCorrectionWarning, DiagnosticOptions, UpdateDiagnostic, bias_correction_message
-from diag.hf_trainer import (
+from diag.arithmetic.engine import DiagnosticOptions, UpdateDiagnostic
+from diag.arithmetic.model_checks import BiasCorrectionWarning, bias_correction_message
+from diag.arithmetic.optim_step import optimizer_step
+from diag.sources.hf_trainer import (
     TRAINER_CHECKPOINT,
     estimated_adam_optimizer,
     settled_step_count,
     trainer_checkpoint_optimizer,
     trainer_parameter_groups,
 )
-from diag.optim_step import optimizer_step
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")

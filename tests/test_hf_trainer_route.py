@@ -12,16 +12,18 @@ import pytest
 import torch
 from click.testing import CliRunner
 from helpers import TokenRows
-from test_hf_export import write_checkpoint
+from hf_helpers import write_checkpoint
 
 import diag
 from analysis.store import open_results
 from depthdiag.cli import main
-from diag.families import DEPTHDIAG
-from trainer.data import open_bin_source
+from diag.arithmetic.families import DEPTHDIAG
+from trainer.data.sources import open_bin_source
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.filterwarnings("ignore::diag.engine.BiasCorrectionWarning")  # 20 steps: young, on purpose
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::diag.arithmetic.engine.BiasCorrectionWarning"
+)  # 20 steps: young, on purpose
 SEQ, ROWS, SAVE_AT = 12, 4, 20
 
 
@@ -49,7 +51,7 @@ def run(*args):
 
 
 def test_diagnose_hf_on_a_trainer_checkpoint_equals_compare_updates_on_the_live_state(tmp_path):
-    from trainer.prepare import PrepareConfig, prepare
+    from trainer.data.prepare import PrepareConfig, prepare
 
     # A depthdiag model of a `bin` run, exported with its tokenizer.
     corpus = tmp_path / "corpus.txt"

@@ -62,7 +62,7 @@ def code_strings(tree: ast.Module) -> str:
     return " ".join(node.value for node in sorted(constants, key=lambda n: (n.lineno, n.col_offset)))
 
 
-REMOTE_CODE_TEMPLATES = ROOT / "trainer" / "hf_export"
+REMOTE_CODE_TEMPLATES = ROOT / "trainer" / "export" / "hf"
 """The modules an hf export copies into its folder, where only relative imports work (they
 resolve to their absolute names here)."""
 
@@ -181,5 +181,64 @@ def test_a_module_run_in_a_string_counts_as_an_import():
     assert modules_run_in("torchrun --nproc_per_node=2 -m depthdiag train") == {"depthdiag"}
     assert modules_run_in('[sys.executable, "-m", "depthdiag.cli", "train"]') == {"depthdiag.cli"}
     assert modules_run_in("python -m pytest -m slow") == set()
-    tree = ast.parse('"""Run it as python -m depthdiag."""\nCOMMAND = ["-m", "diag.run"]')
-    assert modules_run_in(code_strings(tree)) == {"diag.run"}
+    tree = ast.parse('"""Run it as python -m depthdiag."""\nCOMMAND = ["-m", "diag.driver.run"]')
+    assert modules_run_in(code_strings(tree)) == {"diag.driver.run"}
+
+
+ROOMS = ("diag.arithmetic", "diag.sources", "diag.in_training", "diag.driver")
+ROOMS_NOT_IMPORTED = {
+    "diag.arithmetic": {"diag.sources", "diag.in_training", "diag.driver"},
+    "diag.sources": {"diag.in_training", "diag.driver"},
+    "diag.in_training": {"diag.driver"},
+    "diag.driver": {"diag.in_training"},
+}
+"""Inside diag/ the rooms point one way: the arithmetic takes one form of a model and knows no
+model source; the sources turn every input into that form and never drive a run; the driver
+and the in-training side use both and not each other."""
+
+
+def room_of(module: str) -> str | None:
+    return next((room for room in ROOMS if module == room or module.startswith(room + ".")), None)
+
+
+def test_diags_modules_all_live_in_a_room():
+    loose = sorted(name for name in MODULES if name.startswith("diag.") and room_of(name) is None)
+    assert not loose, f"modules of diag/ outside its rooms {ROOMS}: {loose}"
+
+
+def test_diags_rooms_point_one_way():
+    violations = sorted(
+        f"{name} imports {imported}"
+        for name, imports in IMPORTS.items()
+        if (room := room_of(name)) is not None
+        for imported in imports
+        if room_of(imported) in ROOMS_NOT_IMPORTED[room]
+    )
+    assert not violations, "\n".join(violations)
+
+
+def test_no_test_file_imports_another_test_file():
+    """Test files share code through helper modules (tests/helpers.py, hf_helpers.py, grid_helpers.py),
+    never by importing one another: an import of a test_*.py runs that file's module code (its skips,
+    its fixtures, its constants) inside another file and ties the two together."""
+    test_files = sorted((ROOT / "tests").glob("test_*.py"))
+    test_modules = {path.stem for path in test_files}
+    found = []
+    for path in test_files:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(
+                node, ast.ImportFrom
+            ):  # from test_x import y, from tests.test_x import y, from . import test_x
+                names = [f"{node.module or ''}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            found += [
+                f"{path.name}:{node.lineno} imports {name.strip('.')}"
+                for name in names
+                if test_modules & set(name.split("."))
+            ]
+    assert not found, "test files import other test files (move the shared code to a helper module):\n" + "\n".join(
+        found
+    )

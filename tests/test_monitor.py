@@ -1,4 +1,4 @@
-"""The in-training monitor (diag/monitor.py; its file analysis/monitor.py, its figure
+"""The in-training monitor (diag/in_training/monitor.py; its file analysis/monitor.py, its figure
 analysis/figures/monitor.py): training with it equals training without it to the bit, a check is
 `diag.compare_updates` on the run's state, batches and settings, a check touches no process
 state, a killed and resumed run writes the same monitor file, the file's schema, and the
@@ -43,21 +43,18 @@ from analysis.stats import (  # noqa: E402
 )
 from common.errors import InputError  # noqa: E402
 from depthdiag.cli import main  # noqa: E402
-from diag.monitor import MONITOR_FILE, MONITOR_SALT, UpdateMonitor, monitor_batch_seed  # noqa: E402
+from diag.in_training.monitor import MONITOR_FILE, MONITOR_SALT, UpdateMonitor, monitor_batch_seed  # noqa: E402
 from trainer.config import MonitorConfig, RunConfig, load_config  # noqa: E402
-from trainer.data import build_source  # noqa: E402
+from trainer.data.sources import build_source  # noqa: E402
 from trainer.flops import update_flops  # noqa: E402
 from trainer.loss import clip_gradients_, training_loss  # noqa: E402
 from trainer.machine import machine
 from trainer.model import LoopedTransformer  # noqa: E402
 from trainer.optim import lr_at  # noqa: E402
 from trainer.rng import seeded_generator  # noqa: E402
+from trainer.run_setup import _config_differences  # noqa: E402
 from trainer.schedules import parse_schedule  # noqa: E402
-from trainer.train import (  # noqa: E402
-    TrainStep,
-    _config_differences,
-    train,
-)
+from trainer.train import TrainStep, train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MONITOR = ["monitor.every=3", "monitor.eval_sequences=4", "monitor.serving_depths=[1,2,3,4]"]
@@ -211,7 +208,7 @@ def test_a_check_touches_no_process_state_and_draws_batches_of_its_own(tmp_path)
     assert monitor_batch_seed(0, 3) != monitor_batch_seed(1, 3)
 
 
-@pytest.mark.filterwarnings("ignore::diag.engine.BiasCorrectionWarning")  # 3 updates: Adam is young
+@pytest.mark.filterwarnings("ignore::diag.BiasCorrectionWarning")  # 3 updates: Adam is young
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_check_is_compare_updates_on_the_runs_state_batches_and_settings(tmp_path, precision):
     clip = 0.5
@@ -297,7 +294,7 @@ def test_a_resume_refuses_a_monitor_file_of_another_run(tmp_path):
 
 
 def test_a_refused_monitor_write_fails_the_run_naming_the_file(tmp_path, monkeypatch):
-    import diag.monitor as monitor_module
+    import diag.in_training.monitor as monitor_module
     from common.errors import RunFailed
 
     def full_disk(ds, path):
@@ -422,7 +419,7 @@ def test_cli_trains_with_a_monitor_block_then_summarizes_and_plots_it(tmp_path):
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_torchrun_rank_zero_writes_the_monitor_file_of_one_process(tmp_path, parallel):
     """Under DDP rank 0 checks alone; under FSDP2 every rank checks together on its shards
-    (diag/sharded.py) and rank 0 writes: the file of one process either way."""
+    (diag/arithmetic/sharded.py) and rank 0 writes: the file of one process either way."""
     corpus = tmp_path / "corpus.txt"
     rng = random.Random(2)
     corpus.write_text(" ".join(rng.choice("one two three four five six seven".split()) for _ in range(3000)))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common.errors import InputError
-from diag.optim_step import AdamStep, DeepCopyStep, SGDStep, adam_delta, optimizer_step, sgd_delta
+from diag.arithmetic.optim_step import AdamStep, DeepCopyStep, SGDStep, adam_delta, optimizer_step, sgd_delta
 
 LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
 

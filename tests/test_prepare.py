@@ -160,7 +160,7 @@ def test_the_tokenizer_round_trips_any_text(corpus, tmp_path):
 def test_the_bin_source_reads_the_output(corpus, tmp_path):
     from common.errors import InputError
     from trainer.config import DataConfig
-    from trainer.data import build_source
+    from trainer.data.sources import build_source
 
     out = tmp_path / "data"
     prepared(corpus, out)
@@ -479,7 +479,7 @@ def test_prepare_the_kjv_text_and_train_on_it(tmp_path):
     """`make corpus`'s King James text (4.3 MB): prepared with a trained 2,048-token BPE, then 50
     updates of configs/kjv.toml's model on the token files, from a config in another folder."""
     from common.errors import InputError
-    from trainer import corpus as corpora
+    from trainer.data import corpus as corpora
 
     text = tmp_path / "kjv" / "corpus.txt"
     try:

@@ -1,4 +1,4 @@
-"""`depthdiag recommend` (analysis/recommend.py, diag/recommend.py): F from a pilot's monitor file,
+"""`depthdiag recommend` (analysis/recommend.py, diag/in_training/recommend.py): F from a pilot's monitor file,
 the switch for a run of N updates, the spec and its modeled compute; worked by hand on a
 synthetic monitor file."""
 
@@ -18,7 +18,7 @@ from analysis.store import write_dataset
 from common.errors import InputError
 from depthdiag.cli import main
 from depthdiag.grid import load_grid
-from diag.recommend import RecommendConfig, comparison_grid, format_recommendation, recommend
+from diag.in_training.recommend import RecommendConfig, comparison_grid, format_recommendation, recommend
 from trainer.config import load_config
 
 # The pilot: configs/tiny-monitor.toml (fixed-first K0=4, switch at step 768 of 1,024), checked every 32

@@ -1,4 +1,4 @@
-"""A property of every results file, across the modules that write and read them (diag/run.py,
+"""A property of every results file, across the modules that write and read them (diag/driver/run.py,
 analysis/store.py, common/provenance.py, analysis/stats.py): results files that explain
 themselves: a description and units on every variable and coordinate, the training seed as a
 coordinate, the versions and the source state; older files without them still open and combine;
@@ -26,7 +26,7 @@ from analysis.stats import format_csv, summary_table
 from analysis.store import DESCRIPTIONS, open_results, write_dataset
 from common.provenance import provenance
 from depthdiag.cli import main
-from diag.run import DiagnoseConfig, diagnose
+from diag.driver.run import DiagnoseConfig, diagnose
 from trainer.config import replace_section
 
 ROOT = Path(__file__).resolve().parents[1]

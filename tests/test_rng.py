@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from trainer import bios
+from trainer.data import bios
 from trainer.rng import batch_rng, seeded_generator
 from trainer.schedules import DEPTH_SALT, _generator
 

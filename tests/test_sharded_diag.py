@@ -1,4 +1,4 @@
-"""diag/sharded.py: the update diagnostic on an FSDP2-sharded model at 2 gloo ranks equals the
+"""diag/arithmetic/sharded.py: the update diagnostic on an FSDP2-sharded model at 2 gloo ranks equals the
 unsharded diagnostic of the same weights, optimizer state and batch within 1e-6, for every
 isolation, RMS matching, clipping and a masked evaluation set whose chunks do not split evenly
 over the ranks; the sharded weights and optimizer state come back bit for bit."""
@@ -14,7 +14,7 @@ import xarray as xr
 from helpers import free_port, run_depthdiag, write_run
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-from diag.engine import DiagnosticOptions, UpdateDiagnostic
+from diag.arithmetic.engine import DiagnosticOptions, UpdateDiagnostic
 from trainer.config import OptimConfig
 from trainer.loss import training_loss
 from trainer.model import LoopedTransformer, ModelConfig
@@ -136,7 +136,7 @@ def test_what_the_sharded_diagnostic_refuses_is_one_line(monkeypatch):
     from torch.distributed.fsdp import fully_shard
 
     from common.errors import InputError
-    from diag.sharded import ShardedUpdateDiagnostic
+    from diag.arithmetic.sharded import ShardedUpdateDiagnostic
 
     model = LoopedTransformer(ModelConfig(**MODEL))
     with pytest.raises(InputError, match="runs under torchrun"):

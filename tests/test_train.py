@@ -93,7 +93,7 @@ def test_interrupt_then_resume_is_bit_exact(tmp_path, monkeypatch, setting):
 
 
 def test_the_run_records_the_machines_that_trained_it(tmp_path, monkeypatch):
-    import trainer.train as train_module
+    import trainer.run_setup as run_setup_module
     from trainer.machine import machine
 
     corpus = text_corpus(tmp_path)
@@ -104,7 +104,7 @@ def test_the_run_records_the_machines_that_trained_it(tmp_path, monkeypatch):
     assert json.loads((straight / "summary.json").read_text())["trained_on"] == [here]
     # The killed run resumes on another machine: what it writes from then on names both, in order.
     elsewhere = {**here, "bf16_matmul": "another kernel", "bf16_matrix_units": 0}
-    monkeypatch.setattr(train_module, "machine", lambda device: elsewhere)
+    monkeypatch.setattr(run_setup_module, "machine", lambda device: elsewhere)
     train(config, resumed, resume=True, progress=False)
     assert load_snapshot(resumed / "checkpoints/step_000004.pt").trained_on == (here,)
     assert load_snapshot(resumed / "snapshots/u0000_step000006.pt").trained_on == (here, elsewhere)

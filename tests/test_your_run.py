@@ -1,12 +1,15 @@
-"""docs/your-run.md's plain PyTorch loop, run as printed: with diag.DepthMonitor the run is
-bit-identical to the run without it, its monitor file reads back and `recommend` sizes a finishing
-phase from it, and `depthdiag diagnose` on its switch snapshot equals `compare_updates` on the
-state the snapshot was saved from."""
+"""docs/your-run.md's plain PyTorch loop, run as printed: its model block saved as looped.py and its
+loop run from that folder, as a user runs it. With diag.DepthMonitor the run is bit-identical to
+the run without it, its monitor file reads back and `recommend` sizes a finishing phase from it,
+and `depthdiag diagnose` on its switch snapshot (which rebuilds the model from looped.py in the
+current directory) equals `compare_updates` on the state the snapshot was saved from."""
 
 from __future__ import annotations
 
 import copy
+import json
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,26 +21,47 @@ import diag
 from analysis.monitor import open_monitor
 from analysis.store import open_results
 from depthdiag.cli import main
-from diag.families import HUGINN
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = re.search(
-    r"<!-- plain-loop-example -->\n```python\n(.*?)```", (ROOT / "docs" / "your-run.md").read_text(), re.S
-).group(1)
+DOC = (ROOT / "docs" / "your-run.md").read_text()
+MODEL, EXAMPLE = (
+    re.search(rf"<!-- plain-loop-{name} -->\n```python\n(.*?)```", DOC, re.S).group(1) for name in ("model", "example")
+)
 MONITOR_CALL = "monitor.after_update(step + 1, model, optimizer)"
 
 
+@pytest.fixture
+def fresh_imports(monkeypatch):
+    """sys.path comes back as it was, and the example's `looped` module is imported afresh by
+    each run (and by diagnose) and forgotten after."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    sys.modules.pop("looped", None)
+    yield
+    sys.modules.pop("looped", None)
+
+
 def run_example(folder: Path, monkeypatch, *, monitored: bool) -> dict:
+    """The model block as folder/looped.py, the loop run as `python train.py` in folder (the
+    script's folder first on sys.path)."""
     folder.mkdir()
+    (folder / "looped.py").write_text(MODEL)
     monkeypatch.chdir(folder)
     assert EXAMPLE.count(MONITOR_CALL) == 1
     code = EXAMPLE if monitored else EXAMPLE.replace(MONITOR_CALL, "pass")
-    namespace: dict = {}
-    exec(compile(code, "docs/your-run.md", "exec"), namespace)
+    namespace: dict = {"__name__": "__main__"}
+    sys.path.insert(0, str(folder))
+    try:
+        exec(compile(code, "docs/your-run.md", "exec"), namespace)
+    finally:
+        sys.path.remove(str(folder))
+        sys.modules.pop("looped", None)
+    assert type(namespace["model"]).__module__ == "looped"  # the model of the doc's looped.py
     return namespace
 
 
-def test_the_plain_loop_example_is_unchanged_by_the_monitor_and_its_snapshot_diagnoses(tmp_path, monkeypatch):
+def test_the_plain_loop_example_is_unchanged_by_the_monitor_and_its_snapshot_diagnoses(
+    tmp_path, monkeypatch, fresh_imports
+):
     saved = {}
     real_save = diag.save_snapshot
 
@@ -58,7 +82,8 @@ def test_the_plain_loop_example_is_unchanged_by_the_monitor_and_its_snapshot_dia
 
     ds = open_monitor(tmp_path / "monitored" / "run" / "monitor.h5")
     assert ds.step.values.tolist() == [10, 20, 30, 40] and ds.attrs["switch_step"] == 20
-    assert ds.attrs["model_family"] == "huginn"
+    # The model takes its depth as `depth=` (no family), full backprop, as the loop trains it.
+    assert json.loads(ds.attrs["monitor"])["depth_kwarg"] == "depth" and "model_family" not in ds.attrs
     runner = CliRunner()
     monkeypatch.chdir(tmp_path / "monitored")
     result = runner.invoke(main, ["summarize", "run/monitor.h5"], prog_name="depthdiag")
@@ -76,6 +101,8 @@ def test_the_plain_loop_example_is_unchanged_by_the_monitor_and_its_snapshot_dia
         prog_name="depthdiag",
     )
     assert result.exit_code == 0, result.output
+    # It built the model again from the looped.py of the folder it ran in, as a user's would.
+    assert Path(sys.modules["looped"].__file__).resolve() == (tmp_path / "monitored" / "looped.py").resolve()
     results = open_results(out)
     for i, batch in enumerate(saved["batches"]):
         with pytest.warns(diag.BiasCorrectionWarning):  # 20 steps of Adam: young, and said so
@@ -86,7 +113,7 @@ def test_the_plain_loop_example_is_unchanged_by_the_monitor_and_its_snapshot_dia
                 saved["eval_tokens"],
                 update_depths=(2, 8),
                 serving_depths=range(1, 9),
-                family=HUGINN,
+                depth_kwarg="depth",
                 grad_clip=1.0,
             )
         np.testing.assert_array_equal(results.nll.isel(snapshot=0, batch=i).values, expected.nll.values)

@@ -1,0 +1,3 @@
+from common.moved import install
+
+install({"trainer.lm_harness": "trainer.export.lm_harness"})

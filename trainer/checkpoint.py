@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import math
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -37,11 +36,23 @@ import torch
 from common.atomic import atomic_directory, atomic_output
 from common.digest import file_sha256
 from common.errors import InputError, unreachable_input
+from trainer.checkpoint_checks import (
+    RESUME_COUNTERS,
+    check_kind,
+    check_model_state,
+    check_optimizer_state,
+    check_progress,
+    check_rng,
+    check_scalars,
+    check_tokens,
+    check_trained_on,
+    one_line,
+)
 from trainer.config import RunConfig
 from trainer.distributed import World, broadcast_object
 from trainer.model import LoopedTransformer
-from trainer.optim import OPTIMIZER_CLASSES, build_optimizer
-from trainer.rng import check_rng_state, process_rng_state
+from trainer.optim import build_optimizer
+from trainer.rng import process_rng_state
 
 FORMAT_VERSION = 1
 """Bumped whenever the meaning or layout of a key changes; files of another version are refused."""
@@ -415,11 +426,6 @@ class Snapshot:
         return optimizer
 
 
-def _one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split())
-    return text[:200] if text else type(err).__name__
-
-
 def load_snapshot(path: str | Path, kind: str | None = None, *, shards: bool = True) -> Snapshot:
     """Read and validate a snapshot or checkpoint, a file or a sharded folder (`NAME.dcp/`,
     whose shards are loaded into a plain model and optimizer on the CPU); any problem raises
@@ -433,24 +439,24 @@ def load_snapshot(path: str | Path, kind: str | None = None, *, shards: bool = T
     state (every weight of the config's model, of its shape and dtype, finite), the
     optimizer state (its param groups, finite positive LRs, the hyperparameters of the
     stored config, per parameter state of the parameter's shape and dtype, finite, a finite
-    non-negative step) and, in checkpoints, the run counters and RNG states. Every check
-    on a tensor is one vectorised pass, so validation costs a fraction of reading the file."""
+    non-negative step) and, in checkpoints, the run counters and RNG states
+    (trainer/checkpoint_checks.py)."""
     if kind not in (None, *KINDS):
         raise ValueError(f"kind must be None or one of {KINDS}, got {kind!r}")
     path = Path(path)
     sharded = path.is_dir()
     payload = _read_sharded_payload(path, shards) if sharded else _read_payload(path)
     is_snapshot = "batches" in payload
-    _check_kind(path, kind, is_snapshot)
+    check_kind(path, kind, is_snapshot)
     config = _stored_config(path, payload)
-    _check_scalars(path, config, payload)
+    check_scalars(path, config, payload)
     T1 = config.train.seq_len + 1
-    eval_tokens = _check_tokens(
+    eval_tokens = check_tokens(
         path, "eval_tokens", payload["eval_tokens"], (config.data.eval_sequences, T1), config.model.vocab_size
     )
     batches = None
     if is_snapshot:
-        batches = _check_tokens(
+        batches = check_tokens(
             path,
             "batches",
             payload["batches"],
@@ -458,11 +464,11 @@ def load_snapshot(path: str | Path, kind: str | None = None, *, shards: bool = T
             config.model.vocab_size,
         )
     if not sharded or shards:
-        _check_model_state(path, config, payload["model"])
-        _check_optimizer_state(path, config, payload["optimizer"])
+        check_model_state(path, config, payload["model"])
+        check_optimizer_state(path, config, payload["optimizer"])
     if not is_snapshot:
-        _check_progress(path, payload["progress"], required=RESUME_COUNTERS if kind == "checkpoint" else ())
-        _check_rng(path, payload["rng"])
+        check_progress(path, payload["progress"], required=RESUME_COUNTERS if kind == "checkpoint" else ())
+        check_rng(path, payload["rng"])
     return Snapshot(
         path=path,
         config=config,
@@ -477,7 +483,7 @@ def load_snapshot(path: str | Path, kind: str | None = None, *, shards: bool = T
         optimizer_state=payload["optimizer"],
         rng=payload.get("rng"),
         progress=payload.get("progress"),
-        trained_on=_check_trained_on(path, payload.get(TRAINED_ON, [])),
+        trained_on=check_trained_on(path, TRAINED_ON, payload.get(TRAINED_ON, [])),
     )
 
 
@@ -489,7 +495,7 @@ def _read_payload(path: Path, expected: tuple[str, ...] | None = None) -> dict[s
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises RuntimeError, EOFError, UnpicklingError... for damaged files
-        raise InputError(f"{path}: truncated or not a depthdiag snapshot/checkpoint ({_one_line(err)})") from None
+        raise InputError(f"{path}: truncated or not a depthdiag snapshot/checkpoint ({one_line(err)})") from None
     if not isinstance(payload, dict):
         raise InputError(f"{path}: not a depthdiag snapshot/checkpoint (top level is {type(payload).__name__})")
     version = payload.get("format_version")
@@ -542,7 +548,7 @@ def _read_sharded_payload(path: Path, shards: bool) -> dict[str, Any]:
     # RuntimeError, ValueError... for shards of another shape.
     except (Exception, CheckpointException) as err:
         raise InputError(
-            f"{path}: the shards do not load into the stored config's model and optimizer ({_one_line(err)})"
+            f"{path}: the shards do not load into the stored config's model and optimizer ({one_line(err)})"
         ) from None
     payload.update(model=model.state_dict(), optimizer=payload.get("optimizer") or optimizer.state_dict())
     return payload
@@ -560,189 +566,6 @@ def _folder_sha256(path: Path) -> str:
     for file in sorted(f for f in path.rglob("*") if f.is_file()):
         digest.update(f"{file.relative_to(path).as_posix()}\0{file_sha256(file)}\n".encode())
     return digest.hexdigest()
-
-
-def _check_trained_on(path: Path, records: Any) -> tuple[dict[str, str | int], ...]:
-    """The TRAINED_ON records, once they are a list of flat dicts of strings and ints."""
-    flat = isinstance(records, list) and all(
-        isinstance(record, dict) and all(isinstance(k, str) and isinstance(v, (str, int)) for k, v in record.items())
-        for record in records
-    )
-    if not flat:
-        raise InputError(f"{path}: '{TRAINED_ON}' must be a list of machine records (dicts of strings and ints)")
-    return tuple(records)
-
-
-def _check_scalars(path: Path, config: RunConfig, payload: dict[str, Any]) -> None:
-    """step, uniform_updates, optimizer_class and lr: their types, and the class against the stored config."""
-    for key in ("step", "uniform_updates"):
-        if not isinstance(payload[key], int):
-            raise InputError(f"{path}: '{key}' must be an int")
-    if payload["step"] < 0:
-        raise InputError(f"{path}: negative step {payload['step']}")
-    expected_class = OPTIMIZER_CLASSES[config.optim.name]
-    if payload["optimizer_class"] != expected_class:
-        raise InputError(
-            f"{path}: optimizer_class {payload['optimizer_class']!r} does not match optim.name={config.optim.name!r}"
-        )
-    if not isinstance(payload["lr"], float):
-        raise InputError(f"{path}: 'lr' must be a float")
-    _check_lr(path, config, "'lr'", payload["lr"])
-
-
-def _check_kind(path: Path, kind: str | None, is_snapshot: bool) -> None:
-    if kind == "checkpoint" and is_snapshot:
-        raise InputError(
-            f"{path}: a snapshot, not a checkpoint (it has no RNG states or run counters to resume from); "
-            "resume from a checkpoint train wrote to checkpoints/"
-        )
-    if kind == "snapshot" and not is_snapshot:
-        raise InputError(f"{path}: a checkpoint, not a snapshot (it carries no batches)")
-
-
-def _check_lr(path: Path, config: RunConfig, what: str, lr: Any) -> None:
-    """A learning rate: a finite number > 0; 0 only when the run decays to 0 (min_lr_ratio 0)."""
-    if isinstance(lr, torch.Tensor) and lr.numel() == 1 and lr.is_floating_point():
-        lr = float(lr)
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)):
-        raise InputError(f"{path}: {what} must be a number, got {type(lr).__name__}")
-    if not math.isfinite(lr) or lr < 0 or (lr == 0 and config.optim.min_lr_ratio != 0):
-        bound = ">= 0 (optim.min_lr_ratio is 0)" if config.optim.min_lr_ratio == 0 else "> 0"
-        raise InputError(f"{path}: {what} is {lr!r}; a learning rate must be finite and {bound}")
-
-
-def _check_tokens(path: Path, key: str, value: Any, shape: tuple[int, ...], vocab_size: int) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor) or value.dtype != torch.int64:
-        raise InputError(f"{path}: '{key}' must be an int64 tensor")
-    if tuple(value.shape) != shape:
-        raise InputError(f"{path}: '{key}' has shape {list(value.shape)}, the stored config implies {list(shape)}")
-    if value.numel() and (int(value.min()) < 0 or int(value.max()) >= vocab_size):
-        raise InputError(f"{path}: '{key}' holds token ids outside [0, {vocab_size})")
-    return value
-
-
-def _check_model_state(path: Path, config: RunConfig, state: Any) -> None:
-    if not isinstance(state, dict):
-        raise InputError(f"{path}: 'model' must be a state_dict")
-    with torch.device("meta"):
-        reference = LoopedTransformer(config.model).state_dict()
-    missing = sorted(set(reference) - set(state))
-    unexpected = sorted(set(state) - set(reference))
-    if missing or unexpected:
-        raise InputError(
-            f"{path}: model state_dict does not match the stored config "
-            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
-        )
-    for name, tensor in reference.items():
-        value = state[name]
-        if not isinstance(value, torch.Tensor) or value.shape != tensor.shape:
-            raise InputError(f"{path}: model weight {name} has the wrong shape for the stored config")
-        if value.dtype != tensor.dtype:
-            raise InputError(f"{path}: model weight {name} is {value.dtype}, the model's weights are {tensor.dtype}")
-        if value.is_floating_point() and not _all_finite(value):
-            raise InputError(f"{path}: model weight {name} holds non-finite values (NaN or inf)")
-
-
-def _check_optimizer_state(path: Path, config: RunConfig, state: Any) -> None:
-    """The optimizer state_dict against the optimizer the stored config builds: the same param
-    groups and hyperparameters, finite LRs, and every parameter's state of its shape and dtype."""
-    if not isinstance(state, dict) or not isinstance(state.get("state"), dict) or "param_groups" not in state:
-        raise InputError(f"{path}: 'optimizer' must be an optimizer state_dict")
-    groups = state["param_groups"]
-    if not isinstance(groups, list) or len(groups) != 2:
-        count = len(groups) if isinstance(groups, list) else "no list of"
-        raise InputError(f"{path}: optimizer state has {count} param groups, expected 2")
-    with torch.device("meta"):
-        model = LoopedTransformer(config.model)
-    optimizer = build_optimizer(model, config.optim)
-    reference = optimizer.state_dict()["param_groups"]
-    names = {id(p): name for name, p in model.named_parameters()}
-    params: dict[int, tuple[str, torch.Tensor]] = {}
-    for i, (group, expected, live) in enumerate(zip(groups, reference, optimizer.param_groups)):
-        if not isinstance(group, dict) or group.get("params") != expected["params"]:
-            raise InputError(f"{path}: optimizer param group {i} does not hold the stored config's parameters")
-        _check_lr(path, config, f"optimizer param group {i} lr", group.get("lr"))
-        for key, value in expected.items():
-            if key in _CONFIG_SETTINGS and not _same_setting(group.get(key), value):
-                raise InputError(
-                    f"{path}: optimizer param group {i} {key}={group.get(key)!r}, the stored config gives {value!r}"
-                )
-        params.update({pid: (names[id(p)], p) for pid, p in zip(expected["params"], live["params"])})
-    required = _STATE_KEYS[OPTIMIZER_CLASSES[config.optim.name]]
-    for pid, entry in state["state"].items():
-        if pid not in params or not isinstance(entry, dict):
-            raise InputError(f"{path}: optimizer state for an unknown parameter {pid!r}")
-        name, param = params[pid]
-        missing = [key for key in required if key not in entry]
-        if missing:
-            raise InputError(f"{path}: optimizer state of {name} lacks {', '.join(missing)}")
-        for key, value in entry.items():
-            if key == "step":
-                _check_step(path, name, value)
-            elif value is not None or key != "momentum_buffer":  # SGD keeps None before its first step
-                _check_state_tensor(path, name, key, value, param)
-
-
-_CONFIG_SETTINGS = ("weight_decay", "betas", "eps", "momentum")
-"""Param group settings the run config determines (the optimizer takes them from the file on load)."""
-
-_STATE_KEYS = {"AdamW": ("step", "exp_avg", "exp_avg_sq"), "SGD": ()}
-"""Per parameter state every optimizer class keeps once the parameter has been stepped."""
-
-
-def _same_setting(stored: Any, expected: Any) -> bool:
-    if isinstance(stored, (tuple, list)) and isinstance(expected, (tuple, list)):
-        return len(stored) == len(expected) and all(map(_same_setting, stored, expected))
-    return type(stored) is type(expected) and stored == expected
-
-
-def _check_step(path: Path, name: str, step: Any) -> None:
-    if isinstance(step, torch.Tensor) and step.numel() == 1 and step.dtype != torch.bool:
-        step = step.item()
-    if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) or step < 0:
-        raise InputError(f"{path}: optimizer state of {name}: step must be a finite number >= 0, got {step!r}")
-
-
-def _check_state_tensor(path: Path, name: str, key: str, value: Any, param: torch.Tensor) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise InputError(f"{path}: optimizer state of {name}: {key} must be a tensor, got {type(value).__name__}")
-    if value.shape != param.shape:
-        raise InputError(
-            f"{path}: optimizer state of {name}: {key} has shape {list(value.shape)}, the parameter {list(param.shape)}"
-        )
-    if value.dtype != param.dtype:
-        raise InputError(f"{path}: optimizer state of {name}: {key} is {value.dtype}, the parameter is {param.dtype}")
-    if not _all_finite(value):
-        raise InputError(f"{path}: optimizer state of {name}: {key} holds non-finite values (NaN or inf)")
-
-
-def _all_finite(tensor: torch.Tensor) -> bool:
-    """Whether every element of a floating tensor is finite. One summation answers it (a NaN or
-    an inf anywhere makes the sum NaN or inf) several times faster than an elementwise test,
-    which only runs when the sum is not finite (a sum of finite values may overflow)."""
-    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
-
-
-RESUME_COUNTERS = ("tokens", "flops", "wall_time")
-"""The run counters a checkpoint carries; resuming needs every one."""
-
-
-def _check_progress(path: Path, progress: Any, required: tuple[str, ...]) -> None:
-    """A checkpoint's run counters: finite numbers >= 0, with every one of `required`."""
-    if not isinstance(progress, dict):
-        raise InputError(f"{path}: 'progress' must be a dict of run counters")
-    for key in dict.fromkeys((*required, *progress)):
-        value = progress.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise InputError(f"{path}: 'progress' {key} must be a finite number >= 0, got {value!r}")
-
-
-def _check_rng(path: Path, rng: Any) -> None:
-    """A checkpoint's RNG states: they must load into generators of their kinds."""
-    try:
-        check_rng_state(rng)
-    except (TypeError, ValueError, KeyError, RuntimeError, AttributeError) as err:
-        raise InputError(f"{path}: 'rng' does not hold usable RNG states ({_one_line(err)})") from None
 
 
 CHECKPOINT_DIR = "checkpoints"

@@ -184,7 +184,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class MonitorConfig:
-    """The in-training update diagnostic (diag/monitor.py): it never changes the training
+    """The in-training update diagnostic (diag/in_training/monitor.py): it never changes the training
     itself, only adds RUN/monitor.h5. A check runs after `step` updates for every positive
     multiple of `every` up to train.updates and at the schedule's switch step. Step 0 is
     not checked: the optimizer has no state yet, so Adam's first update is sign-like (its

@@ -14,7 +14,7 @@ import xarray as xr
 
 from common.provenance import package_version
 from trainer.checkpoint import load_snapshot
-from trainer.data import build_source
+from trainer.data.sources import build_source
 from trainer.distributed import resolve_device
 from trainer.machine import machine
 from trainer.scoring import mean_nll_by_depth, recall_bits

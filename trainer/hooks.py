@@ -1,13 +1,13 @@
 """What the training loop calls besides its own work: the in-training monitor's hook.
 
 The trainer defines the protocol and `diag` provides the implementation
-(`diag.monitor.UpdateMonitor`), which `depthdiag train` passes to `train(..., monitor=)`
+(`diag.in_training.monitor.UpdateMonitor`), which `depthdiag train` passes to `train(..., monitor=)`
 when the config's [monitor] block is on: trainer never imports diag.
 
 Only rank 0 calls the hook (other torchrun ranks go on and wait for it at the next
 collective), except under train.parallel='fsdp': there each rank holds only its shards of
 the model and the optimizer, so every rank calls it, and a hook that needs the whole model
-computes with all of them together (diag/sharded.py). A hook must leave the model, the
+computes with all of them together (diag/arithmetic/sharded.py). A hook must leave the model, the
 optimizer and every process-wide state the training reads (RNGs, grad mode, autocast,
 module modes) as it found them: training with a monitor equals training without one, to
 the bit.

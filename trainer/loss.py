@@ -1,5 +1,5 @@
 """The loss and the gradient clipping of one training update, shared by the training loop and
-the update diagnostic (diag/engine.py), so the diagnostic differentiates exactly what training does.
+the update diagnostic (diag/arithmetic/engine.py), so the diagnostic differentiates exactly what training does.
 
 The loss is the summed token cross-entropy (IGNORE_INDEX skipped, computed in fp32 whatever the
 forward's precision) divided by the number of counted targets; clipping scales the gradients to

@@ -8,8 +8,8 @@ different words are independent. The words in use:
 
     (train.seed, step)               a training batch (`batch_rng`)
     (train.seed, step, DEPTH_SALT)   a depth draw (trainer/schedules.py)
-    (data.seed, stream, _BIOS_SALT)  the bioS population and evaluation set (trainer/bios.py)
-    (train.seed, step, MONITOR_SALT) the seed of the monitor's batches at a check (diag/monitor.py)
+    (data.seed, stream, _BIOS_SALT)  the bioS population and evaluation set (trainer/data/bios.py)
+    (train.seed, step, MONITOR_SALT) the seed of the monitor's batches at a check (diag/in_training/monitor.py)
 
 A global batch's randomness is drawn whole from `batch_rng(seed, step)` and each
 rank keeps its contiguous rows (`rank_rows`), so the ranks' rows in rank order are

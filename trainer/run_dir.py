@@ -11,7 +11,7 @@ from trainer.checkpoint import CHECKPOINT_DIR, SNAPSHOT_DIR
 from trainer.sinks import TENSORBOARD_DIR, WANDB_DIR
 
 MONITOR_FILE = "monitor.h5"
-"""The in-training diagnostic's results file in the run directory (diag/monitor.py writes it)."""
+"""The in-training diagnostic's results file in the run directory (diag/in_training/monitor.py writes it)."""
 EVAL_CACHE = "grid-eval.h5"
 """A grid cell's evaluation, kept in its run directory (depthdiag/grid.py writes it)."""
 RUN_ENTRIES = (

@@ -1,5 +1,5 @@
 """Scoring a model at many serving depths: logits and mean token NLL per depth, over
-one batch or a whole evaluation set, and the bioS recall (trainer/bios.py).
+one batch or a whole evaluation set, and the bioS recall (trainer/data/bios.py).
 
 Any model whose forward takes the depth as a keyword (`model(input_ids, depth=K)`,
 or other keywords: `depth_call`) and returns logits [B, T, V] or an object with
@@ -8,7 +8,7 @@ pass of max(depths) iterations (its `logits_by_depth` / `nll_by_depth`); other
 models get one forward per depth.
 
 The NLL functions can run the model with other weights than its own (`state`,
-through `torch.func.functional_call`): the update diagnostic (diag/engine.py)
+through `torch.func.functional_call`): the update diagnostic (diag/arithmetic/engine.py)
 evaluates updated weights that way without touching the model.
 """
 
@@ -25,7 +25,7 @@ from torch import Tensor
 
 from common.errors import InputError
 from common.progress import track
-from trainer.bios import ATTRIBUTES, BiosSource
+from trainer.data.bios import ATTRIBUTES, BiosSource
 from trainer.model import IGNORE_INDEX
 
 StateFn = Callable[[], dict[str, Tensor]]
@@ -212,7 +212,7 @@ def recall_bits(
     progress: bool = False,
 ) -> dict[int, float]:
     """Recalled bits per person at each serving depth (greedy, teacher-forced; see
-    trainer/bios.py). The model must already be on `device`; it is put in eval mode and
+    trainer/data/bios.py). The model must already be on `device`; it is put in eval mode and
     restored afterwards."""
     spec = source.spec
     depths = sorted(set(int(d) for d in depths))

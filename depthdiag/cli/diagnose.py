@@ -158,9 +158,9 @@ def diagnose(
     numbers equal one process's within float rounding (docs/scaling.md).
     """
     from common.depths import parse_serving_depths, parse_update_depths
-    from diag.adapter import parse_adapter_args
-    from diag.run import DiagnoseConfig
-    from diag.run import diagnose as run_diagnose
+    from diag.driver.run import DiagnoseConfig
+    from diag.driver.run import diagnose as run_diagnose
+    from diag.sources.adapter import parse_adapter_args
 
     config = DiagnoseConfig(
         snapshots=snapshots,

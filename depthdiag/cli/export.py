@@ -8,7 +8,7 @@ import click
 
 from depthdiag.cli.app import reports_errors
 
-# The choices are spelled here rather than imported from trainer.export, so that --help imports no torch.
+# The choices are spelled here rather than imported from trainer.export.model_folder, so that --help imports no torch.
 FORMATS = ("safetensors", "hf")
 
 
@@ -60,8 +60,8 @@ def export_model(
       depthdiag export runs/x/checkpoints/latest.pt --out exported/x-hf --format hf
       lm_eval --model hf --model_args pretrained=exported/x-hf,trust_remote_code=True,num_steps=8 ...
     """
-    from trainer.export import export_checkpoint
-    from trainer.hf_export import TOKENIZER_FILES
+    from trainer.export.hf import TOKENIZER_FILES
+    from trainer.export.model_folder import export_checkpoint
 
     written = export_checkpoint(
         checkpoint, out, force=force, format=export_format, num_steps=num_steps, tokenizer=tokenizer

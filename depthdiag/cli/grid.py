@@ -136,7 +136,8 @@ def grid_run(
     `depthdiag train` process (output in RUNS/logs/), or with --executor slurm as one Slurm
     job per cell (output in RUNS/.submitit/), waited for here. Exit 3 names the cells that failed."""
     from common.errors import InputError
-    from depthdiag.grid import format_cells, load_grid, run_grid
+    from depthdiag.grid import format_cells, load_grid
+    from depthdiag.grid_run import run_grid
 
     slurm = None
     if executor == "process":

@@ -110,7 +110,7 @@ _hf_model_declarations = (
         "--family",
         default=None,
         metavar="NAME|MODULE:NAME",
-        help="How to call the --hf model at a depth: depthdiag, huginn, or a diag.families.ModelFamily of "
+        help="How to call the --hf model at a depth: depthdiag, huginn, or a diag.ModelFamily of "
         "your own [default: from config.json's model_type]. diagnose: also in place of the family a snapshot "
         "folder or an --adapter's model says.",
     ),
@@ -174,7 +174,7 @@ _hf_training_declarations = (
 def hf_input_options(*, training: bool = False, tokens: bool = True, snapshot_folders: bool = False):
     """--hf DIR and what a model folder needs besides (its family, remote code; with `tokens` the
     token data; with `training` the batch size, optimizer alternative, clipping and precision of
-    the gradients), handed to the command as one `hf`: a diag.hf.HfInput, or None without --hf.
+    the gradients), handed to the command as one `hf`: a diag.sources.hf.HfInput, or None without --hf.
     With `snapshot_folders` the command also gets `trust_remote_code` and `family` of its own
     without --hf, for the model of a snapshot folder or an adapter (diagnose SNAPSHOT_DIR); with
     --hf they are False and None there, the folder's being in `hf`."""
@@ -197,7 +197,7 @@ def hf_input_options(*, training: bool = False, tokens: bool = True, snapshot_fo
                 if snapshot_folders:
                     kwargs.update(trust_remote_code=trust_remote_code, family=family)
                 return command(*args, hf=None, **kwargs)
-            from diag.hf import HfInput, TokenSpec
+            from diag.sources.hf import HfInput, TokenSpec
 
             token_spec = None
             if tokens:

@@ -85,8 +85,8 @@ def prepare(
       depthdiag prepare books/ --out data/books --vocab-size 8192
       # then in the run config: [data] source = "bin", path = "../data/books"
     """
-    from trainer.prepare import PrepareConfig
-    from trainer.prepare import prepare as prepare_corpus
+    from trainer.data.prepare import PrepareConfig
+    from trainer.data.prepare import prepare as prepare_corpus
 
     config = PrepareConfig(
         inputs=inputs,

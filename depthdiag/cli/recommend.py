@@ -98,8 +98,8 @@ def recommend(
     from common.atomic import atomic_write_text
     from common.lock import claimed_outputs
     from common.outputs import GRID_SPEC, check_output
-    from diag.recommend import RecommendConfig, comparison_grid, format_recommendation
-    from diag.recommend import recommend as run_recommend
+    from diag.in_training.recommend import RecommendConfig, comparison_grid, format_recommendation
+    from diag.in_training.recommend import recommend as run_recommend
 
     config = RecommendConfig(
         monitor=monitor,

@@ -93,7 +93,7 @@ def train_run(
 
     # Imported here: torch takes seconds to load and `depthdiag --help` should not wait for it.
     from common.outputs import check_output
-    from diag.monitor import train_with_monitor
+    from diag.in_training.monitor import train_with_monitor
     from trainer.config import load_config
     from trainer.distributed import resolve_device
     from trainer.resources import check_memory
@@ -168,7 +168,7 @@ def eval_checkpoint(
             f"{ds.attrs['eval_sequences']} evaluation sequences"
         )
     else:
-        from diag.hf import evaluate_hf
+        from diag.sources.hf import evaluate_hf
 
         ds = evaluate_hf(hf, depths, device=device, batch_size=batch_size, progress=not no_progress)
         click.echo(
