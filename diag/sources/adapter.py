@@ -42,8 +42,9 @@ def _is_token_tensor(value: Any, dims: int) -> bool:
 
 @dataclass(frozen=True)
 class AdaptedModel:
-    """What an adapter function returns: a model from another codebase with everything one
-    diagnostic run needs. Nothing here is modified by the run."""
+    """A model with everything one diagnostic run needs: what an adapter function returns, and
+    the one form every input of `depthdiag diagnose` is opened as (diag/sources/entries.py),
+    a snapshot file's model included. Nothing here is modified by the run."""
 
     model: nn.Module
     """Its forward takes the input ids [B, T] and the depth as the keyword `depth_kwarg`, and

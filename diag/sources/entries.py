@@ -16,7 +16,6 @@ import torch
 from common.errors import InputError
 from diag.arithmetic.engine import UpdateDiagnostic
 from diag.arithmetic.families import resolve_family
-from diag.arithmetic.sharded import ShardedUpdateDiagnostic
 from diag.sources.adapter import AdaptedModel, adapter_config_json, load_adapter
 from diag.sources.files import file_entries, file_model
 from diag.sources.hf import DEFAULT_BATCHES as DEFAULT_HF_BATCHES
@@ -111,8 +110,14 @@ def adapted_diagnostic(config: DiagnoseConfig, adapted: AdaptedModel, *, sharded
         lr=config.lr if config.lr is not None else adapted.lr,
         precision=adapted.precision,
     )
-    diagnostic = ShardedUpdateDiagnostic if sharded else UpdateDiagnostic
-    return diagnostic(adapted.model, adapted.optimizer, adapted.eval_tokens, options, eval_mask=adapted.eval_mask)
+    if sharded:
+        # Imported here: FSDP's modules take most of a second to import, which no unsharded run needs.
+        from diag.arithmetic.sharded import ShardedUpdateDiagnostic
+
+        return ShardedUpdateDiagnostic(
+            adapted.model, adapted.optimizer, adapted.eval_tokens, options, eval_mask=adapted.eval_mask
+        )
+    return UpdateDiagnostic(adapted.model, adapted.optimizer, adapted.eval_tokens, options, eval_mask=adapted.eval_mask)
 
 
 def _folder_entries(config: DiagnoseConfig) -> list[Entry]:
