@@ -173,6 +173,7 @@ def test_fsdp_checkpoint_resumes_in_one_process(runs, tmp_path):
     assert (resumed / "checkpoints" / "step_000050.pt").is_file()  # one process writes the usual file
 
 
+@pytest.mark.slow  # 15 s; the DCP resume and the reshard to one process stay in make test
 def test_a_one_process_checkpoint_resumes_sharded(runs, tmp_path):
     resumed = interrupted_copy(runs["single"], tmp_path / "resumed", suffix=".pt")
     result = torchrun_resume(runs["config"], resumed)
@@ -221,6 +222,7 @@ def test_parallel_is_validated_and_shards_the_memory_bound(tmp_path):
     assert training_memory(config, 1).model_bytes == training_memory(ddp, 1).model_bytes
 
 
+@pytest.mark.slow  # 13 s where bf16 is emulated; fp32 FSDP2 training stays in make test
 def test_fsdp_bf16_trains_close_to_one_process(tmp_path):
     """With bf16 the blocks' weights are gathered in bf16 under autocast: the losses stay
     within bf16 rounding of one process's bf16 run, and the validation pass runs (in bf16)."""

@@ -416,7 +416,9 @@ def test_cli_trains_with_a_monitor_block_then_summarizes_and_plots_it(tmp_path):
     assert wrong.exit_code == 2 and "--figure 4 draws results files" in wrong.stderr
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+# ddp is slow (13 s): two DDP processes stay in make test (test_distributed.py), and fsdp runs the
+# monitor's rank-zero write.
+@pytest.mark.parametrize("parallel", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])
 def test_torchrun_rank_zero_writes_the_monitor_file_of_one_process(tmp_path, parallel):
     """Under DDP rank 0 checks alone; under FSDP2 every rank checks together on its shards
     (diag/arithmetic/sharded.py) and rank 0 writes: the file of one process either way."""

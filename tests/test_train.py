@@ -67,7 +67,14 @@ def straight_and_killed_runs(config, tmp_path: Path, monkeypatch) -> tuple[Path,
 
 
 @pytest.mark.parametrize(
-    "setting", [{"precision": "fp32"}, {"precision": "bf16"}, {"precision": "bf16", "compile": True}], ids=str
+    "setting",
+    [
+        {"precision": "fp32"},
+        {"precision": "bf16"},
+        # 48 s of compiling in a fresh process; compiled blocks stay in make test (test_train_fast_paths.py).
+        pytest.param({"precision": "bf16", "compile": True}, marks=pytest.mark.slow),
+    ],
+    ids=str,
 )
 def test_interrupt_then_resume_is_bit_exact(tmp_path, monkeypatch, setting):
     corpus = text_corpus(tmp_path)
