@@ -89,7 +89,21 @@ def describe_results(ds: xr.Dataset) -> xr.Dataset:
     for name, (long_name, units) in DESCRIPTIONS.items():
         if name in ds.variables:
             ds[name].attrs.update(long_name=long_name, units=units)
+    for name in list(ds.data_vars):
+        for prefix, (long_name, units) in GROUPED_DESCRIPTIONS.items():
+            if str(name).startswith(prefix):
+                grouping = str(name)[len(prefix) :]
+                ds[name].attrs.update(long_name=long_name.format(grouping), units=units)
+                ds[grouping].attrs.update(long_name=f"group of evaluation targets by {grouping}", units="1")
     return ds
+
+
+GROUPED_DESCRIPTIONS = {
+    "nll_by_": ("mean NLL of each group of evaluation targets by {} after the update", "nats"),
+    "nll_before_by_": ("mean NLL of each group of evaluation targets by {} before the update", "nats"),
+    "targets_by_": ("counted evaluation targets in each group by {}", "1"),
+}
+"""long_name and units of the variables `diagnose --grouping X` adds (X: the grouping)."""
 
 
 def _netcdf_attr(name: str, value):

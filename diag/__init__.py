@@ -6,7 +6,8 @@ runs one (snapshot, batch) unit; `UpdateDiagnostic` shares the per-snapshot work
 (clones of theta and the optimizer state, the NLL before the update) across batches
 (`ShardedUpdateDiagnostic`: the same on an FSDP2-sharded model, docs/scaling.md); `diag.driver.run.diagnose` runs
 many snapshot files, or the `AdaptedModel` an adapter function returns, into one
-results file; `diag.save_snapshot` writes a snapshot folder from any training loop that
+results file; `diag.attribute_benefit` splits one unit's benefit over the training sequences
+(to first order); `diag.save_snapshot` writes a snapshot folder from any training loop that
 `depthdiag diagnose` reads (`diag.load_snapshot_folder` loads one). See docs/diagnostic.md.
 
 The names below load on first use: `import depthdiag.cli` (the `depthdiag` command)
@@ -46,7 +47,9 @@ _HOMES = {
     "ModelFamily": "diag.arithmetic.families",
     "DiagnosticOptions": "diag.arithmetic.engine",
     "ShardedUpdateDiagnostic": "diag.arithmetic.sharded",
+    "TargetGroups": "diag.arithmetic.target_groups",
     "UpdateDiagnostic": "diag.arithmetic.engine",
+    "attribute_benefit": "diag.arithmetic.attribution",
     "compare_updates": "diag.arithmetic.engine",
     "global_cosine": "diag.arithmetic.measures",
     "global_rms": "diag.arithmetic.measures",

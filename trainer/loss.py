@@ -64,7 +64,15 @@ def clip_gradients_(grads: list[torch.Tensor], max_norm: float | None) -> torch.
     if hasattr(total, "full_tensor"):
         total = total.full_tensor()
     if max_norm:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        coef = clip_coefficient(total, max_norm)
         for g in grads:
             (g.to_local() if hasattr(g, "to_local") else g).mul_(coef.to(g.device))
     return total
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float | None) -> torch.Tensor:
+    """The factor clipping scales gradients of global L2 norm `norm` by: min(1, max_norm /
+    (norm + 1e-6)), clip_grad_norm_'s; 1 when `max_norm` is None or 0."""
+    if not max_norm:
+        return torch.ones_like(norm)
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)

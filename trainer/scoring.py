@@ -130,6 +130,64 @@ def nll_by_depth(
     )
 
 
+class TokenNllByDepth(nn.Module):
+    """Routes forward to the one-pass readout of `model.logits_by_depth`, returning the NLL of
+    every target at every depth [S, B, T] (float32, 0 where IGNORE_INDEX), so that
+    `torch.func.functional_call` can run it with substituted weights (named `model.<name>`)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: Tensor, targets: Tensor, depths: list[int]) -> Tensor:
+        nll = {s: _token_nll(logits, targets) for s, logits in self.model.logits_by_depth(input_ids, depths)}
+        return torch.stack([nll[int(s)] for s in depths])
+
+
+def _token_nll(logits: Tensor, targets: Tensor) -> Tensor:
+    """NLL of every target [B, T] of `logits` [B, T, V], in fp32 (0 where IGNORE_INDEX)."""
+    flat = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    return flat.view(targets.shape)
+
+
+def token_nll_by_depth(
+    model: nn.Module,
+    input_ids: Tensor,
+    targets: Tensor,
+    depths: Sequence[int],
+    *,
+    state: StateFn | None = None,
+    depth_call: DepthCall = depth_keyword,
+    logits_of: LogitsOf = output_logits,
+) -> Tensor:
+    """NLL of every target of `targets` [B, T] given `input_ids` [B, T] at each depth, float32
+    [len(depths), B, T] (0 where IGNORE_INDEX): from one pass of the model's `logits_by_depth`
+    when it has one, otherwise one forward per depth, as `nll_by_depth`."""
+    depths = list(depths)
+    if callable(getattr(model, "logits_by_depth", None)):
+        if state is None:
+            return TokenNllByDepth(model)(input_ids, targets, depths)
+        routed = {f"model.{name}": value for name, value in state().items()}
+        return torch.func.functional_call(TokenNllByDepth(model), routed, (input_ids, targets, depths))
+    return torch.stack(
+        [
+            _token_nll(logits, targets)
+            for _, logits in _forward_per_depth(
+                model, input_ids, depths, state=state, depth_call=depth_call, logits_of=logits_of
+            )
+        ]
+    )
+
+
+def group_sums(token_nll: Tensor, groups: Tensor, n_groups: int) -> Tensor:
+    """Summed NLL per group, float64 [S, n_groups], from the NLL of every target token_nll
+    [S, B, T] and each target's group groups int64 [B, T] (-1: in no group)."""
+    member = groups >= 0
+    index = groups[member]  # [N]
+    sums = torch.zeros(token_nll.shape[0], n_groups, dtype=torch.float64, device=token_nll.device)
+    return sums.index_add_(1, index, token_nll[:, member].double())
+
+
 def chunk_counts(targets: Tensor, batch_size: int) -> list[int]:
     """Counted targets (not IGNORE_INDEX) in each chunk of `batch_size` rows of `targets`
     [N, T]. Reading a count stalls the device, so callers that evaluate the same set

@@ -95,6 +95,16 @@ def _diagnose_kept(out: str, **_) -> str:
     "snapshot otherwise.",
 )
 @click.option(
+    "--grouping",
+    "groupings",
+    multiple=True,
+    metavar="NAME",
+    help="Also record the NLLs of each group of evaluation targets (repeatable): attribute (bioS, "
+    "--eval-set attributes), frequency (of the target token in the run's training stream, quartiles), "
+    "position (four spans of the sequence), or MODULE:NAME, a function of eval_tokens [E, T+1] returning "
+    "group ids [E, T]. summarize --by NAME prints the benefit per group. Costs one more evaluation pass.",
+)
+@click.option(
     "--resume",
     is_flag=True,
     help="Continue an interrupted run with the same settings (damaged unit files are computed again).",
@@ -128,6 +138,7 @@ def diagnose(
     device: str,
     eval_batch_size: int,
     eval_set: str,
+    groupings: tuple[str, ...],
     resume: bool,
     force: bool,
     sharded: bool,
@@ -176,6 +187,7 @@ def diagnose(
         lr=lr,
         eval_batch_size=eval_batch_size,
         eval_set=eval_set,
+        groupings=groupings,
         device=device,
         resume=resume,
         force=force,

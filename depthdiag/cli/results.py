@@ -77,6 +77,23 @@ def _summarize_monitor(path: Path, as_json: bool, options: IntervalOptions, csv_
         click.echo(monitor_summary_text(path, ds, rows, options))
 
 
+def _summarize_groups(
+    results: tuple[Path, ...], grouping: str, as_json: bool, options: IntervalOptions, csv_out: str | None, force: bool
+) -> None:
+    from analysis.groups import group_benefit_intervals, group_rows, group_text
+    from analysis.store import open_results
+
+    with naming_files(results):
+        intervals = group_benefit_intervals(open_results(results), grouping, options=options)
+    rows = group_rows(intervals)
+    if _export_csv(rows, csv_out, force, results):
+        return
+    if as_json:
+        click.echo(json_text({"results": [str(r) for r in results], "grouping": grouping, "rows": rows}))
+    else:
+        click.echo(group_text(intervals))
+
+
 @click.command()
 @click.argument("results", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (NaN as null).")
@@ -92,6 +109,15 @@ def _summarize_monitor(path: Path, as_json: bool, options: IntervalOptions, csv_
     "instead of the table.",
 )
 @click.option("--force", is_flag=True, help="Overwrite an existing --csv FILE.")
+@click.option(
+    "--by",
+    "grouping",
+    default=None,
+    metavar="GROUPING",
+    help="Print the benefit per group of evaluation targets of a grouping the results recorded "
+    "(diagnose --grouping: attribute, frequency, position, or a function's name), per snapshot and "
+    "serving depth, with the headline's intervals; --json and --csv give a row per (snapshot, group, depth).",
+)
 @fraction_option
 @reports_errors
 @interval_options
@@ -100,6 +126,7 @@ def summarize(
     as_json: bool,
     csv_out: str | None,
     force: bool,
+    grouping: str | None,
     fraction: float,
     options: IntervalOptions,
 ) -> None:
@@ -121,7 +148,12 @@ def summarize(
 
         check_output(csv_out, kind=SUMMARY_CSV, inputs=results, force=force)
     if _monitor_file(results) is not None:
+        if grouping is not None:
+            raise InputError(f"--by {grouping}: a monitor file records no groups; diagnose --grouping does")
         _summarize_monitor(results[0], as_json, options, csv_out, force)
+        return
+    if grouping is not None:
+        _summarize_groups(results, grouping, as_json, options, csv_out, force)
         return
     from analysis.finishing import finishing_phase, with_equivalence
     from analysis.stats import per_seed_benefits, summary_table

@@ -74,6 +74,7 @@ from diag.arithmetic.model_checks import (
 )
 from diag.arithmetic.optim_step import OptimizerStep, fp32_clone, optimizer_step
 from diag.arithmetic.random_streams import common_random_numbers, rng_states, sequence_seed
+from diag.arithmetic.target_groups import TargetGroups, group_nll_sums, group_variables
 from trainer.loss import clip_gradients_, counted_targets, forward_precision, summed_token_loss
 from trainer.model import IGNORE_INDEX, LoopedTransformer
 from trainer.scoring import chunk_counts, mean_nll_by_depth, nll_by_depth
@@ -170,6 +171,7 @@ class UpdateDiagnostic:
         eval_tokens: Tensor,
         options: DiagnosticOptions = DiagnosticOptions(),
         eval_mask: Tensor | None = None,
+        eval_groups: Sequence[TargetGroups] = (),
     ):
         self.model = model
         self.options = options
@@ -209,6 +211,11 @@ class UpdateDiagnostic:
             targets = targets.masked_fill(~eval_mask.to(self.device), IGNORE_INDEX)
         self.eval_targets = targets
         """int64 [E, T]: the evaluation targets, IGNORE_INDEX where eval_mask leaves a token out."""
+        names = [grouping.name for grouping in eval_groups]
+        if len(set(names)) != len(names):
+            raise InputError(f"eval_groups: each grouping needs a name of its own, got {names}")
+        self.eval_groups = [(grouping, grouping.for_targets(targets)) for grouping in eval_groups]
+        """Each grouping of the targets with its ids on the targets (-1 where not counted)."""
         # Counted targets per evaluation chunk, read once: every evaluation reuses them, and
         # reading them per chunk would stall the device on each one.
         self._chunk_counts = chunk_counts(self.eval_targets, options.eval_batch_size)
@@ -219,6 +226,7 @@ class UpdateDiagnostic:
             self._sequence_counts = chunk_counts(self.eval_targets, 1)
             self._sequence_seeds = [sequence_seed(index) for index in range(len(self.eval_targets))]
         self._nll_before: np.ndarray | None = None
+        self._group_sums_before: list[np.ndarray] | None = None
         self._unreached_at_depth_one: frozenset[str] | None = None
         """The trainable parameters the gradient at depth 1 does not reach (read when needed)."""
 
@@ -227,7 +235,8 @@ class UpdateDiagnostic:
 
     # --- pieces, each usable on its own ---
 
-    def _state(self, params: dict[str, Tensor]) -> dict[str, Tensor]:
+    def module_state(self, params: dict[str, Tensor]) -> dict[str, Tensor]:
+        """What `torch.func.functional_call` takes: `params` and fresh clones of the buffers."""
         # Fresh buffer clones per call: a module that writes its buffers in forward
         # (running statistics) must not leak one pass into the next.
         return {**params, **{name: b.clone() for name, b in self.buffers.items()}}
@@ -266,7 +275,8 @@ class UpdateDiagnostic:
         the forward drew random numbers."""
         with torch.no_grad(), module_mode(self.model, training=False), common_random_numbers():
             before = rng_states()
-            output = torch.func.functional_call(self.model, self._state(params), (probe,), self.family.eval_call(depth))
+            call = self.family.eval_call(depth)
+            output = torch.func.functional_call(self.model, self.module_state(params), (probe,), call)
             drew = any(not torch.equal(a, b) for a, b in zip(before, rng_states()))
         return self.family.logits(output), drew
 
@@ -309,32 +319,48 @@ class UpdateDiagnostic:
         parameters (fp32, flat order; zeros where a parameter gets none: a frozen one, or one
         the family's truncated backprop leaves out), clipped over all parameters as
         `clip_grad_norm_(model.parameters())` does in training."""
+        loss, by_name = self.reached_gradients(batch, depth)
+        clip_gradients_(list(by_name.values()), self.options.grad_clip)  # fresh tensors: scaled in place
+        return float(loss.detach()), self.flat(by_name)
+
+    def reached_gradients(self, batch: Tensor, depth: int) -> tuple[Tensor, dict[str, Tensor]]:
+        """Training loss at `depth` on `batch` [B, T+1] and its unclipped gradient for every
+        trainable parameter it reaches, by name; InputError where it reaches fewer than
+        training at that depth does."""
         batch = self.check_batch(batch)
         loss, trainable, grads = self._loss_and_gradients(batch, self.family.gradient_call(depth))
         missing = [name for name, g in zip(trainable, grads) if g is None]
         if missing and not self._left_out_by_truncation(batch, depth, missing):
             fix = self._no_gradient_fix(batch, depth, missing)
             raise InputError(no_gradient_message(missing, len(trainable), depth, fix))
-        by_name = {name: g for name, g in zip(trainable, grads) if g is not None}
-        clip_gradients_(list(by_name.values()), self.options.grad_clip)  # fresh tensors: scaled in place
-        flat = [by_name[n].float() if n in by_name else torch.zeros_like(self.theta[n]) for n in self.stepped]
-        return float(loss.detach()), flat
+        return loss, {name: g for name, g in zip(trainable, grads) if g is not None}
+
+    def flat(self, by_name: dict[str, Tensor]) -> list[Tensor]:
+        """Gradients by name as the optimizer's flat list (fp32; zeros where one is missing)."""
+        return [by_name[n].float() if n in by_name else torch.zeros_like(self.theta[n]) for n in self.stepped]
 
     def _loss_and_gradients(self, batch: Tensor, call: dict) -> tuple[Tensor, list[str], Sequence[Tensor | None]]:
         """Training's loss on `batch` of one forward with the keywords `call`, the names of the
         trainable parameters and their gradients (None where the loss does not reach one)."""
-        leaves = {name: t.detach().requires_grad_(self.requires_grad[name]) for name, t in self.theta.items()}
-        trainable = [name for name in leaves if self.requires_grad[name]]
         # a caller's no_grad must not leave the loss without a graph
         with torch.enable_grad(), common_random_numbers():
-            with forward_precision(self.device.type, self.options.precision), module_mode(self.model, training=True):
-                output = torch.func.functional_call(self.model, self._state(leaves), (batch[:, :-1],), call)
+            leaves, trainable, logits = self.training_logits(batch[:, :-1], call)
             # Training's loss (trainer/loss.py): summed, then divided by the counted targets.
-            loss = summed_token_loss(self.family.logits(output), batch[:, 1:]) / float(counted_targets(batch))
+            loss = summed_token_loss(logits, batch[:, 1:]) / float(counted_targets(batch))
             if not loss.requires_grad:  # the whole forward ran without gradient
                 return loss, trainable, [None] * len(trainable)
             grads = torch.autograd.grad(loss, [leaves[n] for n in trainable], allow_unused=True)
         return loss, trainable, grads
+
+    def training_logits(self, inputs: Tensor, call: dict) -> tuple[dict[str, Tensor], list[str], Tensor]:
+        """One training forward (train mode, the run's precision) of `inputs` [B, T] with the
+        keywords `call`, from fresh leaf clones of theta: the leaves, the names of the trainable
+        ones, and the logits [B, T, V]. Gradients need torch.enable_grad() around it."""
+        leaves = {name: t.detach().requires_grad_(self.requires_grad[name]) for name, t in self.theta.items()}
+        trainable = [name for name in leaves if self.requires_grad[name]]
+        with forward_precision(self.device.type, self.options.precision), module_mode(self.model, training=True):
+            output = torch.func.functional_call(self.model, self.module_state(leaves), (inputs,), call)
+        return leaves, trainable, self.family.logits(output)
 
     def _unreached(self, batch: Tensor, call: dict) -> set[str]:
         """The trainable parameters the loss of a forward with the keywords `call` does not reach."""
@@ -410,11 +436,7 @@ class UpdateDiagnostic:
         (float64 [S]), token-weighted over chunks of rows (trainer/scoring.py); for a model whose
         forward draws random numbers, over sequences evaluated one at a time
         (`_nll_sequence_by_sequence`)."""
-        params = dict(self.theta)
-        if update is not None:
-            for name, u in zip(self.stepped, update):
-                params[name] = params[name] + u
-        state = functools.partial(self._state, params)
+        state = functools.partial(self.module_state, self._updated(update))
         with module_mode(self.model, training=False), common_random_numbers() as reseed:
             if self.random_forward:
                 nll = self._nll_sequence_by_sequence(state, reseed)
@@ -471,6 +493,27 @@ class UpdateDiagnostic:
             self._nll_before = self.evaluate(None)
         return self._nll_before
 
+    def group_nll_sums(self, update: Sequence[Tensor] | None = None) -> list[np.ndarray]:
+        """Summed NLL of every group of every grouping (`eval_groups`) of theta + update at every
+        serving depth: one float64 [S, G] per grouping (diag/arithmetic/target_groups.py)."""
+        with module_mode(self.model, training=False):
+            return group_nll_sums(self, functools.partial(self.module_state, self._updated(update)))
+
+    def _updated(self, update: Sequence[Tensor] | None) -> dict[str, Tensor]:
+        """theta + update, by parameter name (theta itself for None)."""
+        params = dict(self.theta)
+        if update is not None:
+            for name, u in zip(self.stepped, update):
+                params[name] = params[name] + u
+        return params
+
+    @property
+    def group_sums_before(self) -> list[np.ndarray]:
+        """`group_nll_sums` of theta itself, computed once."""
+        if self._group_sums_before is None:
+            self._group_sums_before = self.group_nll_sums(None)
+        return self._group_sums_before
+
     # --- one unit ---
 
     def compare(self, batch: Tensor) -> xr.Dataset:
@@ -483,6 +526,7 @@ class UpdateDiagnostic:
         opts = self.options
         last = len(opts.update_depths) - 1
         losses, raw_rms, scales, nll = [], [], [], []
+        grouped: list[list[np.ndarray]] = []  # [update depth][grouping] -> summed NLL [S, G]
         held: list[list[Tensor]] = []
         reference: list[Tensor] = []
         reference_tensor_rms: list[float] = []
@@ -506,6 +550,7 @@ class UpdateDiagnostic:
             # kept for the cosine.
             scales.append(self._scale_(update, raw_rms[i], raw_rms[0], reference_tensor_rms) if i else 1.0)
             nll.append(self.evaluate(update))
+            grouped.append(self.group_nll_sums(update) if self.eval_groups else [])
             del update
         if held:
             target = geomean_rms(raw_rms)
@@ -516,8 +561,12 @@ class UpdateDiagnostic:
                 for t in update:
                     t.mul_(scales[-1])
                 nll.append(self.evaluate(update))
+                grouped.append(self.group_nll_sums(update) if self.eval_groups else [])
                 del update
-        return self._dataset(np.stack(nll), losses, raw_rms, scales, cosine)  # nll [update_depth, serving_depth]
+        ds = self._dataset(np.stack(nll), losses, raw_rms, scales, cosine)  # nll [update_depth, serving_depth]
+        if not self.eval_groups:
+            return ds
+        return ds.assign(group_variables(self.eval_groups, grouped, self.group_sums_before, ds.coords))
 
     def _scale_(
         self, update: list[Tensor], rms: float, reference_rms: float, reference_tensor_rms: list[float]

@@ -121,6 +121,14 @@ class ModelFamily:
         """The forward's keywords for serving at depth `depth` (run under torch.no_grad)."""
         return {**dict(self.forward_kwargs), self.depth_kwarg: int(depth)}
 
+    def full_gradient_call(self, depth: int) -> dict[str, Any] | None:
+        """The forward's keywords for the evaluation at depth `depth` with gradient through every
+        iteration (what the evaluation NLL's gradient needs): a pair-depth family's (0, depth);
+        None for a forward that truncates backprop by itself, which a call cannot undo."""
+        if self.pair_depth:
+            return {**dict(self.forward_kwargs), self.depth_kwarg: (0, int(depth))}
+        return None if self.backprop_depth is not None else self.eval_call(depth)
+
     def backprop_text(self) -> str:
         """How the gradient flows, for summaries and the results file."""
         if self.backprop_depth is None:

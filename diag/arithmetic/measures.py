@@ -87,15 +87,27 @@ def match_rms(updates: Sequence[Sequence[Tensor]], mode: str) -> tuple[list[list
     per-tensor: every tensor u_K,p * RMS(u_ref,p) / RMS(u_K,p)
     Returns the scaled updates and each depth's global scale RMS(scaled) / RMS(u_K).
     """
-    if mode not in RMS_MATCH_CHOICES:
-        raise InputError(f"rms_match must be one of {RMS_MATCH_CHOICES}, got {mode!r}")
-    rms = [global_rms(u) for u in updates]
+    factors = matching_factors(updates, mode)
     if mode == "none":
         return [list(u) for u in updates], [1.0] * len(updates)
+    matched = [[t * f for t, f in zip(u, fs)] for u, fs in zip(updates, factors)]
+    if mode == "per-tensor":
+        return matched, [scale_ratio(global_rms(m), global_rms(u)) for m, u in zip(matched, updates)]
+    return matched, [fs[0] if fs else 1.0 for fs in factors]
+
+
+def matching_factors(updates: Sequence[Sequence[Tensor]], mode: str) -> list[list[float]]:
+    """The factor RMS matching multiplies each tensor of each update by (`match_rms`), per
+    depth and tensor: one value repeated over the tensors except under 'per-tensor'."""
+    if mode not in RMS_MATCH_CHOICES:
+        raise InputError(f"rms_match must be one of {RMS_MATCH_CHOICES}, got {mode!r}")
     if mode == "per-tensor":
         reference = tensor_rms(updates[0])
-        matched = [[t * scale_ratio(r, o) for t, r, o in zip(u, reference, tensor_rms(u))] for u in updates]
-        return matched, [scale_ratio(global_rms(m), r) for m, r in zip(matched, rms)]
-    target = rms[0] if mode == "reference" else geomean_rms(rms)
-    scales = [scale_ratio(target, r) for r in rms]
-    return [[t * s for t in u] for u, s in zip(updates, scales)], scales
+        return [[scale_ratio(r, o) for r, o in zip(reference, tensor_rms(u))] for u in updates]
+    rms = [global_rms(u) for u in updates]
+    if mode == "none":
+        scales = [1.0] * len(updates)
+    else:
+        target = rms[0] if mode == "reference" else geomean_rms(rms)
+        scales = [scale_ratio(target, r) for r in rms]
+    return [[scale] * len(u) for u, scale in zip(updates, scales)]

@@ -129,6 +129,18 @@ class OptimizerStep:
             f"and SGD, not {self.optimizer_class}"
         )
 
+    def linear_transposed(self, vector: Sequence[Tensor]) -> list[Tensor]:
+        """J^T `vector` for J = d Delta / d g at g = 0 (fp32, flat order): Adam, AdamW and SGD
+        step element by element, so J is diagonal and this is J `vector`. No refusal: where
+        Adam's second moment is 0 the slope is taken at eps (`refuse_where_not_linear` says
+        whether a gradient reaches such values)."""
+        return self.linear(vector)
+
+    def refuse_where_not_linear(
+        self, direction: Sequence[Tensor], sum_over_ranks: Callable[[Tensor], Tensor] | None = None
+    ) -> None:
+        """InputError where Delta has no first-order term along `direction` (none for SGD)."""
+
     def _jvp_at_zero(self, direction: list[Tensor], delta_of: Callable[[int, Tensor, dict], Tensor]) -> list[Tensor]:
         """d/de delta_of(i, e * direction[i], hyper) at e = 0 for every parameter i (`direction` checked)."""
         out: list[Tensor] = []
@@ -218,14 +230,16 @@ class AdamStep(OptimizerStep):
     def linear(
         self, direction: Sequence[Tensor], sum_over_ranks: Callable[[Tensor], Tensor] | None = None
     ) -> list[Tensor]:
-        direction = self._check(direction)
-        self._refuse_where_not_linear(direction, sum_over_ranks)
+        self.refuse_where_not_linear(direction, sum_over_ranks)
+        return self.linear_transposed(direction)
+
+    def linear_transposed(self, vector: Sequence[Tensor]) -> list[Tensor]:
         return self._jvp_at_zero(
-            direction, lambda i, grad, hyper: adam_delta(self.theta[i], grad, self.state[i], hyper)
+            self._check(vector), lambda i, grad, hyper: adam_delta(self.theta[i], grad, self.state[i], hyper)
         )
 
-    def _refuse_where_not_linear(
-        self, direction: list[Tensor], sum_over_ranks: Callable[[Tensor], Tensor] | None
+    def refuse_where_not_linear(
+        self, direction: Sequence[Tensor], sum_over_ranks: Callable[[Tensor], Tensor] | None = None
     ) -> None:
         """InputError where Delta has no first-order term on the gradient's scale: where the second
         moment the step divides by is 0 after torch's own step with a zero gradient and the direction
@@ -234,6 +248,7 @@ class AdamStep(OptimizerStep):
         slope at 0, lr (1 - b1) / (bc1 eps), holds only below that; where momentum is left there, the
         |e| makes a kink and there is no slope at all. On a sharded model every rank counts its
         shards and `sum_over_ranks` adds the counts up, so that all ranks refuse together."""
+        direction = self._check(direction)
         counts: dict[int, int] = {}
         for g in self.groups:
             for i in range(g.start, g.stop):

@@ -35,6 +35,15 @@ MANIFEST = "manifest.json"
 PER_UNIT = ("nll", "benefit", "benefit_all", "update_rms", "rms_scale", "update_cosine", "train_loss")
 """Variables with a value per (snapshot, batch) unit; nll_before is per snapshot."""
 
+BASE_DIMS = ("snapshot", "batch", "update_depth", "serving_depth")
+"""A unit's dimensions besides its groupings' (diag/arithmetic/target_groups.py)."""
+
+
+def grouped_variables(unit: xr.Dataset) -> list[str]:
+    """A unit's variables by group of the evaluation targets (nll_by_X, nll_before_by_X,
+    targets_by_X): per unit in the results, each grouping's labels a coordinate."""
+    return [str(name) for name in unit.data_vars if str(name).startswith(("nll_by_", "nll_before_by_", "targets_by_"))]
+
 
 MUST_BE_FINITE = {"nll": "NLL", "nll_before": "NLL before the update", "train_loss": "loss", "update_rms": "update RMS"}
 """A unit's variables that are finite for any model that has not diverged (the cosine and the
@@ -50,6 +59,8 @@ def run_manifest(config: DiagnoseConfig, entries: list[Entry], device: torch.dev
         for k, v in asdict(config).items()
         if k in ("update_depths", "serving_depths", "isolate", "rms_match", "lr", "eval_batch_size", "eval_set")
     }
+    if config.groupings:  # absent otherwise: a run without groupings resumes the files of older runs
+        settings["groupings"] = list(config.groupings)
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
     if config.sharded:
         settings["sharded_over"] = world_size
@@ -257,10 +268,11 @@ def assemble_results(config: DiagnoseConfig, entries: list[Entry], manifest: dic
                 unit = unit.load().isel(snapshot=0, batch=0)
             if nll_before is None:
                 nll_before = np.full((len(entries), unit.sizes["serving_depth"]), np.nan)
-                for name in PER_UNIT:
+                for name in (*PER_UNIT, *grouped_variables(unit)):
                     if name in unit:
                         dims[name] = ("snapshot", "batch") + unit[name].dims
                         arrays[name] = np.full((len(entries), n_batch) + unit[name].shape, np.nan)
+                group_labels = {dim: unit[dim].values for dim in unit.dims if dim not in BASE_DIMS}
                 unit_attrs = dict(unit.attrs)
             if b == 0:
                 nll_before[s] = unit["nll_before"].values
@@ -276,6 +288,7 @@ def assemble_results(config: DiagnoseConfig, entries: list[Entry], manifest: dic
         "batch": np.arange(n_batch, dtype=np.int64),
         "update_depth": np.array(config.update_depths, dtype=np.int64),
         "serving_depth": np.array(config.serving_depths, dtype=np.int64),
+        **group_labels,
     }
     seed = _run_seed(entries)
     if seed is not None:

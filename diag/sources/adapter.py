@@ -29,6 +29,7 @@ from common.choices import PRECISION_CHOICES
 from common.errors import InputError
 from common.imports import import_named
 from diag.arithmetic.families import ModelFamily
+from diag.arithmetic.target_groups import TargetGroups
 
 
 def _is_token_tensor(value: Any, dims: int) -> bool:
@@ -75,6 +76,9 @@ class AdaptedModel:
     optimizer_state: str | None = None
     """Where the optimizer's state came from, recorded as the results file's `optimizer_state`
     (e.g. a Trainer checkpoint, or an estimate for a model published without one); None: not said."""
+    eval_groups: Sequence[TargetGroups] = ()
+    """Groupings of the evaluation targets (diag.TargetGroups) to record each group's NLLs by,
+    besides those --grouping names."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):

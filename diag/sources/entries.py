@@ -18,11 +18,13 @@ from diag.arithmetic.engine import UpdateDiagnostic
 from diag.arithmetic.families import resolve_family
 from diag.sources.adapter import AdaptedModel, adapter_config_json, load_adapter
 from diag.sources.files import file_entries, file_model
+from diag.sources.groupings import target_groupings
 from diag.sources.hf import DEFAULT_BATCHES as DEFAULT_HF_BATCHES
 from diag.sources.hf import hf_adapted_model, hf_config_json
 from diag.sources.inputs import DiagnoseConfig, Entry
 from diag.sources.snapshot_loading import SnapshotFolder, read_snapshot_folder
 from trainer.checkpoint import is_sharded_folder
+from trainer.config import RunConfig
 from trainer.distributed import World, resolve_device
 
 
@@ -98,10 +100,19 @@ def _adapted_entry(
     )
 
 
-def adapted_diagnostic(config: DiagnoseConfig, adapted: AdaptedModel, *, sharded: bool = False) -> UpdateDiagnostic:
+def adapted_diagnostic(
+    config: DiagnoseConfig, adapted: AdaptedModel, *, sharded: bool = False, entry: Entry | None = None
+) -> UpdateDiagnostic:
     """The run's diagnostic of `adapted`, with its own way of being called, clipping and
     precision; the learning rate is --lr, or the model's (None: each group's own). `sharded`:
-    the model is sharded over torchrun's ranks, which all call the diagnostic together."""
+    the model is sharded over torchrun's ranks, which all call the diagnostic together. The
+    evaluation targets are grouped by the model's own groupings and --grouping's, those that
+    need the run's data read from `entry`, a snapshot or checkpoint file's."""
+    run = RunConfig.from_json(entry.config_json, str(entry.path)) if entry is not None else None
+    origin = entry.path if entry is not None else adapted.name or "the model"
+    eval_set = entry.eval_set if entry is not None else None
+    named = target_groupings(config.groupings, adapted.eval_tokens, run=run, eval_set=eval_set, origin=origin)
+    eval_groups = (*adapted.eval_groups, *named)
     options = replace(
         config.diagnostic,
         depth_kwarg=adapted.depth_kwarg,
@@ -114,10 +125,19 @@ def adapted_diagnostic(config: DiagnoseConfig, adapted: AdaptedModel, *, sharded
         # Imported here: FSDP's modules take most of a second to import, which no unsharded run needs.
         from diag.arithmetic.sharded import ShardedUpdateDiagnostic
 
+        if eval_groups:
+            raise InputError("--grouping: not with --sharded yet; diagnose the groups in one process")
         return ShardedUpdateDiagnostic(
             adapted.model, adapted.optimizer, adapted.eval_tokens, options, eval_mask=adapted.eval_mask
         )
-    return UpdateDiagnostic(adapted.model, adapted.optimizer, adapted.eval_tokens, options, eval_mask=adapted.eval_mask)
+    return UpdateDiagnostic(
+        adapted.model,
+        adapted.optimizer,
+        adapted.eval_tokens,
+        options,
+        eval_mask=adapted.eval_mask,
+        eval_groups=eval_groups,
+    )
 
 
 def _folder_entries(config: DiagnoseConfig) -> list[Entry]:
@@ -223,4 +243,5 @@ def open_entry(
             raise InputError(f"{entry.path}: the snapshot folder changed while the run was going")
     else:
         adapted = file_model(config, entry, device, world)
+        return adapted_diagnostic(config, adapted, sharded=world is not None, entry=entry), adapted
     return adapted_diagnostic(config, adapted, sharded=world is not None), adapted

@@ -46,6 +46,9 @@ class DiagnoseConfig:
     (bioS runs): the evaluation presentations, only attribute-value targets counted
     (`BiosSource.attribute_eval`, built from the run's data config), the paper's bioS
     evaluation; 'auto': 'attributes' for bioS runs, 'snapshot' for others."""
+    groupings: tuple[str, ...] = ()
+    """Groupings of the evaluation targets to record each group's NLLs by (diag/sources/groupings.py):
+    'attribute', 'frequency', 'position' or MODULE:NAME; `summarize --by` reads them."""
     device: str = "auto"
     """'auto' (cuda when available), 'cpu' or 'cuda'."""
     resume: bool = False

@@ -300,9 +300,16 @@ class BiosSource:
         stream as `eval_tokens`."""
         if n < 1:
             raise InputError(f"n must be >= 1, got {n}")
-        rng = seeded_generator(self.seed, _EVAL_STREAM, _BIOS_SALT)
-        tokens, owners = self._packed(rng, n, slice(None), seq_len, self._evaluation, with_owners=True)
+        tokens, owners = self.attribute_owners(n, seq_len)
         return tokens, owners[:, 1:] >= 0
+
+    def attribute_owners(self, n: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`attribute_eval`'s tokens int64 [n, seq_len + 1] and, aligned with them, the attribute
+        each value token belongs to (an index into ATTRIBUTES; -1 elsewhere)."""
+        if n < 1:
+            raise InputError(f"n must be >= 1, got {n}")
+        rng = seeded_generator(self.seed, _EVAL_STREAM, _BIOS_SALT)
+        return self._packed(rng, n, slice(None), seq_len, self._evaluation, with_owners=True)
 
     # --- recall -------------------------------------------------------------------------------
 

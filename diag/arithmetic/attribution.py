@@ -1,0 +1,232 @@
+"""The deep update's benefit attributed to training sequences, to first order. Formulas and
+cost: docs/diagnostic.md.
+
+For update depths (a, b), one batch of B sequences and weights theta with optimizer state S:
+
+    g_K,i  = grad of sequence i's summed token loss at depth K / the batch's counted targets
+             (sum over the batch's rows: g_K, the gradient the diagnostic uses)
+    kappa_K = min(1, grad_clip / (||g_K|| + 1e-6))          the batch's clipping, held fixed
+    J      = d Delta / d g at g = 0                           the step isolate='linear' applies
+    c_K    = RMS-matching factor of u_K = J kappa_K g_K       (c_a = 1 under 'reference'), held fixed
+    e_s    = grad of the evaluation NLL at serving depth s
+    attribution(i, s) = e_s . J (c_a kappa_a g_a,i - c_b kappa_b g_b,i)
+    linear_benefit(s) = e_s . (c_a u_a - c_b u_b)             = sum over the batch's rows
+
+so a positive attribution says that sequence i pushes the deep update ahead at serving depth s.
+The steps this applies to (Adam, AdamW, SGD) act element by element: J is diagonal, so
+e_s . J x = (J e_s) . x, and one w_s = J e_s per serving depth scores every sequence with one
+dot product per sequence and depth. Sequences of a pool beyond the batch are scored against the
+same update (the same kappa, c and e), their gradients divided by the batch's counted targets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+import xarray as xr
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from common.depths import SERVING_DEPTHS, checked_depths
+from common.errors import InputError
+from diag.arithmetic.engine import DiagnosticOptions, UpdateDiagnostic, module_mode
+from diag.arithmetic.families import ModelFamily
+from diag.arithmetic.measures import matching_factors
+from diag.arithmetic.optim_step import AdamStep, SGDStep
+from diag.arithmetic.random_streams import common_random_numbers, sequence_seed
+from trainer.loss import clip_coefficient, clip_gradients_, counted_targets, summed_token_loss
+from trainer.model import IGNORE_INDEX, LoopedTransformer
+
+
+def attribute_benefit(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Tensor,
+    eval_tokens: Tensor,
+    *,
+    update_depths: Sequence[int] = (4, 16),
+    serving_depths: Sequence[int] = SERVING_DEPTHS,
+    family: ModelFamily | None = None,
+    depth_kwarg: str = "depth",
+    grad_clip: float | None = None,
+    rms_match: str = "reference",
+    precision: str = "fp32",
+    eval_mask: Tensor | None = None,
+    lr: float | None = None,
+    pool: Tensor | None = None,
+    progress: bool = False,
+) -> xr.Dataset:
+    """Attribute the benefit of the update at `update_depths[-1]` over the one at
+    `update_depths[0]` (isolate='linear') to the sequences of `batch` [B, T+1] and of `pool`
+    [N, T+1]: `attribution(example, serving_depth)` (the batch's rows, then the pool's; coordinate
+    `in_batch`), `linear_benefit(serving_depth)` (from the batch gradients, the sum of the batch
+    rows' attributions), `benefit(serving_depth)` (the diagnostic's own, isolate='linear', for
+    comparison), `clip_coefficient` and `rms_scale` by update depth. The other arguments mean
+    what they mean for `diag.compare_updates`."""
+    depths = checked_depths(update_depths, "update_depths")
+    if len(depths) != 2:
+        raise InputError(f"update_depths must be two depths (reference, deep), got {list(depths)}")
+    options = DiagnosticOptions(
+        update_depths=depths,
+        serving_depths=tuple(serving_depths),
+        depth_kwarg=depth_kwarg,
+        family=family,
+        isolate="linear",
+        rms_match=rms_match,
+        lr=lr,
+        grad_clip=grad_clip,
+        precision=precision,
+    )
+    diagnostic = UpdateDiagnostic(model, optimizer, eval_tokens, options, eval_mask)
+    if not isinstance(diagnostic.step, (AdamStep, SGDStep)):
+        raise InputError(
+            "attribution needs a step that acts element by element (Adam, AdamW, SGD), "
+            f"not {diagnostic.step.optimizer_class}"
+        )
+    batch = diagnostic.check_batch(batch)
+    rows = [batch] if pool is None else [batch, diagnostic.check_batch(pool, "pool")]
+    examples = sum(len(r) for r in rows)
+    count = float(counted_targets(batch))
+    bar = tqdm(total=2 * examples + len(options.serving_depths), desc="attribute", disable=not progress)
+
+    # The update at each depth from the batch gradient, and the fixed clipping and RMS factors.
+    clip, updates = [], []
+    for depth in depths:
+        _, by_name = diagnostic.reached_gradients(batch, depth)
+        norm = clip_gradients_(list(by_name.values()), grad_clip)  # scaled by kappa in place
+        clip.append(float(clip_coefficient(norm, grad_clip)))
+        updates.append(diagnostic.step.linear(diagnostic.flat(by_name)))
+    factors = matching_factors(updates, rms_match)
+    difference = [fa * ua - fb * ub for fa, ua, fb, ub in zip(factors[0], updates[0], factors[1], updates[1])]
+    del updates
+
+    # linear_benefit from e_s itself; the sequences are scored with w_s = J^T e_s.
+    linear_benefit, directions = [], []
+    for depth in options.serving_depths:
+        e = diagnostic.flat(eval_gradient(diagnostic, depth))
+        linear_benefit.append(_dot(e, difference))
+        directions.append(diagnostic.step.linear_transposed(e))
+        bar.update()
+    del difference
+
+    attribution = np.zeros((examples, len(directions)))  # [example, serving_depth]
+    for k, depth in enumerate(depths):
+        weight = clip[k] * (1.0 if k == 0 else -1.0)
+        for i, gradient in enumerate(row_gradients(diagnostic, rows, depth, count)):
+            if i >= len(batch):
+                diagnostic.step.refuse_where_not_linear(gradient)
+            for s, w in enumerate(directions):
+                attribution[i, s] += weight * sum(f * _dot([wt], [gt]) for f, wt, gt in zip(factors[k], w, gradient))
+            bar.update()
+    bar.close()
+    benefit = diagnostic.compare(batch)["benefit"].values
+    return xr.Dataset(
+        {
+            "attribution": (("example", "serving_depth"), attribution),
+            "linear_benefit": (("serving_depth",), np.array(linear_benefit)),
+            "benefit": (("serving_depth",), benefit),
+            "clip_coefficient": (("update_depth",), np.array(clip)),
+            "rms_scale": (("update_depth",), np.array([fs[0] if fs else 1.0 for fs in factors])),
+        },
+        coords={
+            "example": np.arange(examples),
+            "in_batch": ("example", np.arange(examples) < len(batch)),
+            "serving_depth": list(options.serving_depths),
+            "update_depth": list(depths),
+        },
+        attrs={"isolate": "linear", "rms_match": rms_match, "grad_clip": float(grad_clip or 0.0)},
+    )
+
+
+def _dot(a: Sequence[Tensor], b: Sequence[Tensor]) -> float:
+    """sum over tensors of a . b, accumulated in float64."""
+    return float(sum(torch.vdot(x.flatten().double(), y.flatten().double()) for x, y in zip(a, b)))
+
+
+def eval_gradient(diagnostic: UpdateDiagnostic, depth: int) -> dict[str, Tensor]:
+    """e_s: the gradient of the evaluation NLL at serving depth `depth` (mean over counted
+    targets, eval mode, fp32) for every trainable parameter it reaches, by name; the same
+    forwards as `UpdateDiagnostic.evaluate` (a model that draws random numbers: one sequence at
+    a time, each from its own stream)."""
+    call = diagnostic.family.full_gradient_call(depth)
+    if call is None and isinstance(diagnostic.model, LoopedTransformer):
+        call = diagnostic.family.eval_call(depth)  # its truncation is a setting `full_backprop` lifts
+    if call is None:
+        raise InputError(
+            f"family {diagnostic.family.name!r}: the forward truncates backprop by itself, so the evaluation NLL's "
+            "gradient would miss the iterations it runs without gradient; attribution needs a family whose "
+            "gradient call says the truncation (pair_depth=True)"
+        )
+    rows = 1 if diagnostic.random_forward else diagnostic.options.eval_batch_size
+    tokens, targets = diagnostic.eval_tokens, diagnostic.eval_targets
+    total = float((targets != IGNORE_INDEX).sum())
+    leaves = {n: t.detach().requires_grad_(diagnostic.requires_grad[n]) for n, t in diagnostic.theta.items()}
+    trainable = [n for n in leaves if diagnostic.requires_grad[n]]
+    summed: dict[str, Tensor] = {}
+    with (
+        torch.enable_grad(),
+        module_mode(diagnostic.model, training=False),
+        full_backprop(diagnostic.model),
+        common_random_numbers() as reseed,
+    ):
+        for start in range(0, len(tokens), rows):
+            if diagnostic.random_forward:
+                reseed(sequence_seed(start))
+            output = torch.func.functional_call(
+                diagnostic.model,
+                diagnostic.module_state(leaves),
+                (tokens[start : start + rows, :-1],),
+                call,
+            )
+            loss = summed_token_loss(diagnostic.family.logits(output), targets[start : start + rows]) / total
+            if not loss.requires_grad:
+                continue
+            grads = torch.autograd.grad(loss, [leaves[n] for n in trainable], allow_unused=True)
+            for name, g in zip(trainable, grads):
+                if g is not None:
+                    summed[name] = summed[name] + g if name in summed else g
+    return summed
+
+
+@contextlib.contextmanager
+def full_backprop(model: torch.nn.Module) -> Iterator[None]:
+    """A LoopedTransformer with truncated backprop (config.backprop_depth) backpropagates
+    through every iteration inside the block; its config is restored afterwards."""
+    if not isinstance(model, LoopedTransformer) or not model.config.backprop_depth:
+        yield
+        return
+    config = model.config
+    model.config = dataclasses.replace(config, backprop_depth=0)
+    try:
+        yield
+    finally:
+        model.config = config
+
+
+def row_gradients(
+    diagnostic: UpdateDiagnostic, chunks: Sequence[Tensor], depth: int, count: float
+) -> Iterator[list[Tensor]]:
+    """g_K,i for every row of `chunks` in turn (flat, fp32): the gradient of the row's summed
+    token loss at training depth `depth`, divided by `count`. A deterministic forward runs one
+    row at a time; one that draws random numbers runs each chunk as one forward, from the stream
+    the diagnostic's gradient starts from, so that the batch's rows sum to its gradient."""
+    for chunk in chunks:
+        step = len(chunk) if diagnostic.random_forward else 1
+        for start in range(0, len(chunk), step):
+            part = chunk[start : start + step]
+            with torch.enable_grad(), common_random_numbers():
+                leaves, trainable, logits = diagnostic.training_logits(
+                    part[:, :-1], diagnostic.family.gradient_call(depth)
+                )
+                for row in range(len(part)):
+                    loss = summed_token_loss(logits[row : row + 1], part[row : row + 1, 1:]) / count
+                    grads = (
+                        torch.autograd.grad(loss, [leaves[n] for n in trainable], retain_graph=True, allow_unused=True)
+                        if loss.requires_grad
+                        else [None] * len(trainable)
+                    )
+                    yield diagnostic.flat({n: g for n, g in zip(trainable, grads) if g is not None})

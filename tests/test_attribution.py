@@ -1,0 +1,358 @@
+"""attribute_benefit against a reference written here from its definition, in float64.
+
+For update depths (a, b), batch rows i and serving depths s:
+
+    g_K,i = grad of row i's summed token loss at training depth K / the batch's counted targets
+    kappa_K = min(1, clip / (||g_K|| + 1e-6)),  u_K = J kappa_K g_K,  c_a = 1, c_b = RMS(u_a) / RMS(u_b)
+    e_s   = grad of the evaluation NLL at serving depth s
+    attribution(i, s) = e_s . J (c_a kappa_a g_a,i - c_b kappa_b g_b,i),  linear_benefit(s) = e_s . (c_a u_a - c_b u_b)
+
+The reference shares nothing with the engine: per-row gradients from plain forwards and
+autograd (one sequence at a time, or rows of one batched forward from the engine's seed for a
+forward that draws noise), J applied by central differences of torch's own `optimizer.step()` on
+deep copies. Checked: agreement to 1e-6 (a LoopedTransformer with AdamW and SGD; truncated
+backprop: the same model truncating in its own forward, and a Huginn-convention model called with
+a pair depth, with and without a random initial state; e_s is the derivative of the evaluation
+NLL, so the reference takes it through every iteration even where the forward detaches some),
+that the batch rows sum to linear_benefit with or without a pool, that plausible bugs (no
+clipping, no RMS matching, the sign, the wrong target count) sit far outside the tolerance, that
+linear_benefit is the diagnostic's benefit to first order, and the refusals of bad input.
+"""
+
+import copy
+import dataclasses
+import functools
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from huginn_convention import HuginnConvention
+
+from common.errors import InputError
+from diag.arithmetic.attribution import attribute_benefit
+from diag.arithmetic.families import ModelFamily
+from diag.arithmetic.random_streams import CRN_SEED, sequence_seed
+from trainer.model import LoopedTransformer, ModelConfig
+
+pytestmark = pytest.mark.filterwarnings("ignore::diag.BiasCorrectionWarning")
+
+VOCAB, SEQ, SERVING, WINDOW = 32, 10, (1, 2, 3, 4), 2
+TRUNCATED = ModelFamily("truncated", depth_kwarg="num_steps", pair_depth=True, backprop_depth=WINDOW)
+SELF_TRUNCATED = ModelFamily("self-truncated", backprop_depth=1)  # the forward truncates by itself
+
+
+def tokens(rows, seed):
+    return torch.randint(0, VOCAB, (rows, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def looped_model(backprop_depth=0):
+    torch.manual_seed(0)
+    config = ModelConfig(
+        vocab_size=VOCAB, max_seq_len=SEQ, d_model=16, n_heads=2, n_prelude=1, n_core=1, n_coda=1,
+        backprop_depth=backprop_depth,
+    )  # fmt: skip
+    model = LoopedTransformer(config)
+    with torch.no_grad():
+        model.adapter.weight.normal_(0, 0.3)  # the identity initialisation makes every depth alike
+    return model.double()
+
+
+def huginn_model(init_scale):
+    torch.manual_seed(0)
+    return HuginnConvention(vocab=VOCAB, d=16, init_scale=init_scale).double()
+
+
+# Forwards that return logits [R, T, V] with gradient: `train` as the model trains at depth K,
+# `serve` the evaluation at depth s with every iteration differentiable (a Huginn-convention
+# forward runs an int num_steps under no_grad; (0, s) is the same function of the weights).
+LOOPED = {"train": lambda m, x, k: m(x, depth=k), "serve": lambda m, x, s: m(x, depth=s)}
+
+
+def full_backprop(m, x, s):
+    """The LoopedTransformer's output at depth s with every iteration differentiable (the same function)."""
+    truncating, m.config = m.config, dataclasses.replace(m.config, backprop_depth=0)
+    try:
+        return m(x, depth=s)
+    finally:
+        m.config = truncating
+
+
+SELF = {"train": lambda m, x, k: m(x, depth=k), "serve": full_backprop}
+HUGINN = {
+    "train": lambda m, x, k: m(x, num_steps=(k - min(k, WINDOW), min(k, WINDOW))).logits,
+    "serve": lambda m, x, s: m(x, num_steps=(0, s)).logits,
+}
+
+
+def flat(tensors):
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def grad_of(loss, params, retain=False):
+    grads = torch.autograd.grad(loss, params, allow_unused=True, retain_graph=retain)
+    return flat([torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)])
+
+
+def summed_ce(logits, rows):
+    return F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten(), ignore_index=-1, reduction="sum")
+
+
+def seeded(seed, forward, *args):
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return forward(*args)
+
+
+# --- the reference ---------------------------------------------------------------------------
+
+
+def row_gradients(model, train, rows, depth, count, random):
+    """[R, P]: row i's summed loss at `depth` / count, differentiated (train mode)."""
+    params = list(model.train().parameters())
+    if not random:  # a deterministic forward: one sequence at a time
+        return torch.stack(
+            [grad_of(summed_ce(train(model, r[None, :-1], depth), r[None]) / count, params) for r in rows]
+        )
+    logits = seeded(CRN_SEED, train, model, rows[:, :-1], depth)  # the noise of the engine's gradient pass
+    return torch.stack(
+        [grad_of(summed_ce(logits[i : i + 1], rows[i : i + 1]) / count, params, True) for i in range(len(rows))]
+    )
+
+
+def eval_gradients(model, serve, eval_tokens, random):
+    """[S, P]: e_s, the gradient of the token-mean evaluation NLL at each serving depth (eval mode);
+    a forward that draws noise runs each row from its own seed, as the engine evaluates it."""
+    params, count = list(model.eval().parameters()), (eval_tokens[:, 1:] != -1).sum()
+    out = []
+    for s in SERVING:
+        if random:
+            loss = sum(
+                summed_ce(seeded(sequence_seed(j), serve, model, r[None, :-1], s), r[None])
+                for j, r in enumerate(eval_tokens)
+            )
+        else:
+            loss = summed_ce(serve(model, eval_tokens[:, :-1], s), eval_tokens)
+        out.append(grad_of(loss / count, params))
+    model.train()
+    return torch.stack(out)
+
+
+def step_jacobian(model, optimizer, directions, lr):
+    """[R, P] -> [R, P]: J d for each row d, (Delta(h d) - Delta(-h d)) / 2h of real optimizer steps."""
+
+    def delta(d):
+        m, o = copy.deepcopy((model, optimizer))
+        for group in o.param_groups:
+            group["lr"] = group["lr"] if lr is None else lr
+        params = list(m.parameters())
+        before = flat(params).detach().clone()
+        for p, piece in zip(params, d.split([p.numel() for p in params])):
+            p.grad = piece.view_as(p).clone()
+        o.step()
+        return flat(params).detach() - before
+
+    # |h d| <= 1e-7: far below Adam's sqrt(v), so its curvature is negligible, far above rounding.
+    return torch.stack([(delta(h * d) - delta(-h * d)) / (2 * h) for d in directions for h in [1e-7 / d.abs().max()]])
+
+
+def reference(model, optimizer, batch, eval_tokens, forwards, depths, clip, pool=None, lr=None, random=False):
+    """The pieces of the definition: J g_K,i [R, P], J g_K [P], kappa_K, e_s [S, P]."""
+    rows = batch if pool is None else torch.cat((batch, pool))
+    count = (batch[:, 1:] != -1).sum()
+    parts = {"eval": eval_gradients(model, forwards["serve"], eval_tokens, random)}
+    for k in depths:
+        g_rows = row_gradients(model, forwards["train"], rows, k, count, random)
+        logits = seeded(CRN_SEED, forwards["train"], model.train(), batch[:, :-1], k)  # g_K from its own forward
+        g = grad_of(summed_ce(logits, batch) / count, list(model.parameters()))
+        parts[k] = {
+            "rows": step_jacobian(model, optimizer, g_rows, lr),
+            "update": step_jacobian(model, optimizer, g[None], lr)[0],
+            "kappa": min(1.0, clip / (float(g.norm()) + 1e-6)) if clip else 1.0,
+        }
+    return parts
+
+
+def assemble(parts, depths, *, clipped=True, matched=True, sign=1.0):
+    """(attribution [R, S], linear_benefit [S], kappa, c) from the pieces; the keywords make the wrong variants."""
+    a, b = depths
+    kappa = {k: parts[k]["kappa"] if clipped else 1.0 for k in depths}
+    u = {k: kappa[k] * parts[k]["update"] for k in depths}
+    c_b = float(u[a].square().mean().sqrt() / u[b].square().mean().sqrt()) if matched else 1.0
+    rows = kappa[a] * parts[a]["rows"] - c_b * kappa[b] * parts[b]["rows"]
+    e = parts["eval"]
+    return (sign * rows @ e.T).numpy(), (sign * e @ (u[a] - c_b * u[b])).numpy(), kappa, c_b
+
+
+# --- the cases -------------------------------------------------------------------------------
+
+
+def warmed(model, optimizer, forwards, rows, steps):
+    """A few real training steps on the rows scored, so that Adam's second moment is > 0
+    wherever their gradients are not."""
+    for step in range(steps):
+        loss = summed_ce(forwards["train"](model, rows[:, :-1], 1 + step % 4), rows) / (rows[:, 1:] != -1).sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def adamw(model):
+    decayed = [p for p in model.parameters() if p.dim() > 1]
+    rest = [p for p in model.parameters() if p.dim() <= 1]
+    groups = [{"params": decayed, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=1e-2)
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01)
+
+
+CASES = {
+    # name: (model, forwards, family, optimizer, steps, update depths, forward draws noise, rms_match)
+    "looped-adamw": (looped_model, LOOPED, None, adamw, 3, (1, 3), False, "reference"),
+    "looped-sgd": (looped_model, LOOPED, None, sgd, 2, (1, 3), False, "reference"),
+    "looped-sgd-unmatched": (looped_model, LOOPED, None, sgd, 2, (1, 3), False, "none"),
+    "self-truncated-sgd": (lambda: looped_model(1), SELF, SELF_TRUNCATED, sgd, 2, (1, 3), False, "reference"),
+    "truncated-adamw": (lambda: huginn_model(0.0), HUGINN, TRUNCATED, adamw, 3, (2, 4), False, "reference"),
+    "truncated-noise-adamw": (lambda: huginn_model(1.0), HUGINN, TRUNCATED, adamw, 3, (2, 4), True, "reference"),
+}
+CLIP = 0.05  # below every gradient norm here: clipping is active at both depths
+
+
+@functools.cache
+def setup(name):
+    """(model, optimizer, batch [B, T+1], eval tokens [E, T+1], pool [N, T+1] or None) for one case."""
+    make_model, forwards, _, make_opt, steps, _, random, _ = CASES[name]
+    batch, eval_tokens = tokens(3, 1), tokens(4, 2)
+    batch[0, -1] = -1  # an ignored target: the batch's count is B*T - 1
+    pool = None if random else tokens(2, 3)  # a noisy forward's rows depend on the rows forwarded with them
+    if pool is not None:
+        pool[1, -1] = -1
+    model = make_model()
+    rows = batch if pool is None else torch.cat((batch, pool))
+    model, optimizer = warmed(model, make_opt(model), forwards, rows, steps)
+    return model, optimizer, batch, eval_tokens, pool
+
+
+@functools.cache
+def run_case(name, with_pool=True, lr=None):
+    """The function's Dataset for one case (cached)."""
+    _, _, family, _, _, depths, _, rms = CASES[name]
+    kwargs = {"depth_kwarg": "depth"} if family is None else {"family": family}
+    model, optimizer, batch, eval_tokens, pool = setup(name)
+    return attribute_benefit(
+        model, optimizer, batch, eval_tokens, update_depths=depths, serving_depths=SERVING, grad_clip=CLIP,
+        rms_match=rms, lr=lr, pool=pool if with_pool else None, **kwargs,
+    )  # fmt: skip
+
+
+@functools.cache
+def reference_case(name):
+    """The reference's pieces for one case, with its pool (cached)."""
+    _, forwards, _, _, _, depths, random, _ = CASES[name]
+    model, optimizer, batch, eval_tokens, pool = setup(name)
+    return reference(model, optimizer, batch, eval_tokens, forwards, depths, CLIP, pool, None, random)
+
+
+def assert_close(got, want, rtol=1e-6):
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())
+
+
+def far(got, want, by=1e-4):
+    """Apart by more than `by` of want's scale (1e-4: 100 times the tolerance)."""
+    return np.abs(np.asarray(got) - want).max() > by * np.abs(want).max()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_attribution_matches_the_reference(name):
+    got, parts, depths = run_case(name), reference_case(name), CASES[name][5]
+    matched = CASES[name][-1] == "reference"
+    attribution, linear_benefit, kappa, c_b = assemble(parts, depths, matched=matched)
+    assert all(kappa[k] < 1 for k in depths)  # clipping is active
+    np.testing.assert_allclose(got["clip_coefficient"].values, [kappa[k] for k in depths], rtol=1e-6)
+    np.testing.assert_allclose(got["rms_scale"].values, [1.0, c_b], rtol=1e-6)
+    assert got["attribution"].dims == ("example", "serving_depth") and got["attribution"].shape == attribution.shape
+    assert list(got["serving_depth"].values) == list(SERVING)
+    assert_close(got["attribution"].values, attribution)
+    assert_close(got["linear_benefit"].values, linear_benefit)
+
+
+@pytest.mark.parametrize("with_pool", [False, True])
+def test_batch_rows_sum_to_linear_benefit(with_pool):
+    got = run_case("looped-sgd", with_pool)
+    in_batch = got["in_batch"].values  # [B + N]
+    assert list(in_batch) == [True] * 3 + [False] * (2 * with_pool)
+    assert list(got["example"].values) == list(range(len(in_batch)))
+    assert_close(got["attribution"].values[in_batch].sum(0), got["linear_benefit"].values)
+    if with_pool:  # the pool is scored against the same update: the batch rows are unchanged
+        alone = run_case("looped-sgd", False)
+        assert_close(got["attribution"].values[in_batch], alone["attribution"].values)
+        assert np.abs(got["attribution"].values[~in_batch]).min() > 0
+
+
+@pytest.mark.parametrize("name", ["looped-adamw", "truncated-adamw"])
+def test_wrong_definitions_are_far_outside_the_tolerance(name):
+    got, parts, depths = run_case(name), reference_case(name), CASES[name][5]
+    attribution, linear_benefit = got["attribution"].values, got["linear_benefit"].values
+    for wrong in ({"clipped": False}, {"matched": False}, {"sign": -1.0}):
+        want, want_benefit, _, _ = assemble(parts, depths, **wrong)
+        assert far(attribution, want) and far(linear_benefit, want_benefit), wrong
+    # Dividing by B*T, the ignored target counted: 1/30 off.
+    want, want_benefit, _, _ = assemble(parts, depths)
+    assert far(attribution, want * (3 * SEQ - 1) / (3 * SEQ)) and far(
+        linear_benefit, want_benefit * (3 * SEQ - 1) / (3 * SEQ)
+    )
+
+
+@pytest.mark.parametrize("name", ["truncated-adamw", "truncated-noise-adamw"])
+def test_linear_benefit_is_the_benefit_to_first_order(name):
+    """benefit(lr) = L lr + Q lr^2 + O(lr^3), so (4 benefit(lr) - benefit(2 lr)) / 2 = L lr + O(lr^3).
+    The diagnostic's NLL is fp32 (about 2e-7 on 3.5), which rules out a direct check at a tiny lr:
+    measured here, the extrapolation at lr 8e-3 is within 1.2e-3 of the reference's first-order
+    term, benefit(lr) itself at best within about 3e-3 (lr 1e-3), and the LoopedTransformer (fp32 norms)
+    not within 5e-3 at any lr. Only a float64 model, the Huginn-convention one, is checked."""
+    lr, depths = 8e-3, CASES[name][5]
+    got, doubled = run_case(name, True, lr), run_case(name, True, 2 * lr)
+    first_order = (4 * got["benefit"].values - doubled["benefit"].values) / 2
+    want = assemble(reference_case(name), depths)[1] * lr / 1e-2  # J is linear in the lr (1e-2 in the reference)
+    assert_close(first_order, want, rtol=5e-3)  # the reference is the benefit's first-order term
+    assert_close(first_order, got["linear_benefit"].values, rtol=5e-3)
+    large = run_case(name, True, 1.0)  # far from first order: the check above can fail
+    assert far(large["benefit"].values, large["linear_benefit"].values, by=5e-2)
+
+
+def test_bad_input_is_refused():
+    model = looped_model()
+    batch, eval_tokens = tokens(2, 1), tokens(2, 2)
+    rmsprop = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+    warmed(model, rmsprop, LOOPED, batch, 1)
+    with pytest.raises(InputError, match="RMSprop"):
+        attribute_benefit(model, rmsprop, batch, eval_tokens, update_depths=(1, 2), serving_depths=SERVING)
+    with pytest.raises(InputError, match="update_depths"):
+        attribute_benefit(model, sgd(model), batch, eval_tokens, update_depths=(2,), serving_depths=SERVING)
+    # A model from elsewhere that truncates backprop in its own forward: e_s would miss iterations.
+    foreign = Wrapped(looped_model(backprop_depth=1))
+    self_truncating = ModelFamily("self-truncating", backprop_depth=1)
+    with pytest.raises(InputError, match="truncates backprop by itself"):
+        attribute_benefit(
+            foreign,
+            sgd(foreign),
+            batch,
+            eval_tokens,
+            update_depths=(1, 2),
+            serving_depths=SERVING,
+            family=self_truncating,
+        )
+
+
+class Wrapped(torch.nn.Module):
+    """A looped model whose code is not depthdiag's (its truncation is not a setting to lift)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, depth):
+        return self.inner(input_ids, depth=depth)
