@@ -318,8 +318,11 @@ $(VENV)/.installed-mutants: $(VENV)/.installed-eval
 	touch $@
 
 # PYTHONPATH: a test that runs depthdiag in a subprocess imports the mutated copy too, not the tree.
+# mutants/ exists before mutmut starts: a PYTHONPATH entry missing when Python starts stays "nothing
+# here" for the whole process and the test runners it forks, which then import the live tree.
 mutants: $(VENV)/.installed-mutants
 	rm -rf mutants
+	mkdir -p mutants
 	PYTHONPATH=$(CURDIR)/mutants $(VENV)/bin/mutmut run --max-children $(MUTANT_JOBS)
 	$(PY) tests/mutation/report.py > docs/mutation-report.md.tmp
 	mv docs/mutation-report.md.tmp docs/mutation-report.md

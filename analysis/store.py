@@ -79,6 +79,16 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
     "seed": ("training seed of the run", "1"),
     "machine": ("machine and kernels that diagnosed the seed's file (JSON, trainer/machine.py)", "1"),
     "trained_on": ("machines and kernels that trained the seed's snapshots (JSON list)", "1"),
+    "attribution": ("first-order share of the training sequence in the benefit (isolate linear)", "nats"),
+    "linear_benefit": (
+        "first-order benefit of the isolate-linear updates: the batch rows' attributions summed",
+        "nats",
+    ),
+    "benefit_counterfactual": ("the unit's benefit under isolate counterfactual", "nats"),
+    "clip_coefficient": ("factor gradient clipping scaled the batch gradient by", "1"),
+    "example_tokens": ("token ids of the attributed training sequence", "1"),
+    "example": ("attributed training sequence: the batch's rows, then the pool's", "1"),
+    "in_batch": ("whether the sequence is a row of the unit's batch (else of the pool)", "1"),
 }
 """name -> (long_name, units) of every variable and coordinate a results file may hold; the
 monitor file (analysis/monitor.py) shares the entries of the variables both hold."""

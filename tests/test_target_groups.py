@@ -194,6 +194,11 @@ def test_diagnose_records_the_groupings_and_summarize_prints_the_benefit_by_grou
     assert row["mean"] == pytest.approx(float((nll.isel(update_depth=0) - nll.isel(update_depth=1)).mean("batch")))
     assert row["n"] == 2 and row["unit"] == "batch"
 
+    code, stdout, stderr = run_cli("plot", out, "--figure", "groups", "--by", "attribute", "--out", tmp_path / "g.png")
+    assert code == 0 and (tmp_path / "g.png").is_file() and (tmp_path / "g.pdf").is_file(), stderr
+    code, _, stderr = run_cli("plot", out, "--figure", "groups", "--out", tmp_path / "h.png")
+    assert code == 2 and "--by GROUPING" in stderr
+
     code, _, stderr = run_cli("summarize", out, "--by", "position")
     assert code == 2 and "no grouping 'position'" in stderr and "recorded: attribute, frequency, by_parity" in stderr
     code, _, stderr = run_cli("diagnose", *args, "--grouping", "parity_groups:by_nothing", "--out", tmp_path / "x.h5")

@@ -37,11 +37,14 @@ from analysis.figures.grid import (
     plot_recall_by_depth,
     plot_schedule_bands,
 )
+from analysis.figures.groups import group_benefit_figure, plot_group_benefit
 from analysis.figures.monitor import monitor_figure, plot_monitor_heatmap, plot_monitor_trend
 from analysis.figures.saving import check_figure, figure_paths, save_figure
 from analysis.figures.update_depth_map import plot_update_depth_map, update_depth_map_figure
 
 __all__ = [
+    "group_benefit_figure",
+    "plot_group_benefit",
     "check_figure",
     "curves_figure",
     "figure1",

@@ -19,6 +19,7 @@ COMMANDS = (
     train.train_run,
     train.eval_checkpoint,
     diagnose.diagnose,
+    diagnose.attribute,
     results.summarize,
     results.plot,
     results.sensitivity,

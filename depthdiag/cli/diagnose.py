@@ -146,6 +146,8 @@ def diagnose(
     hf,
     trust_remote_code: bool,
     family: str | None,
+    attribute: bool = False,
+    pool: int = 0,
 ) -> None:
     """Compare single updates at several depths from each SNAPSHOT (snapshot or checkpoint
     files of one run, or snapshot folders any training loop wrote with diag.save_snapshot;
@@ -196,7 +198,38 @@ def diagnose(
         progress=not no_progress,
         trust_remote_code=trust_remote_code,
         family=family,
+        attribute=attribute,
+        pool=pool,
     )
     written = run_diagnose(config)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 wrote it
         click.echo(f"wrote {written}")
+
+
+def _attribute(**options) -> None:
+    diagnose.callback(**options, isolate="linear", sharded=False, attribute=True)
+
+
+attribute = click.Command(
+    "attribute",
+    callback=_attribute,
+    params=[
+        *(param for param in diagnose.params if param.name not in ("isolate", "sharded")),
+        click.Option(
+            ["--pool"],
+            type=click.IntRange(min=0),
+            default=0,
+            show_default=True,
+            help="Also score N training sequences of the run's own stream, right after the diagnosed batches, "
+            "against each unit's update (snapshot and checkpoint files).",
+        ),
+    ],
+    help="""Attribute each unit's benefit (isolate='linear') to the training sequences of its batch,
+    to first order: attribution(example, serving_depth) = e_s . J (c_a kappa_a g_a,i - c_b kappa_b g_b,i),
+    positive where sequence i pushes the deep update ahead at serving depth s; the batch's rows sum to
+    linear_benefit, written beside the unit's own benefit. Takes what diagnose takes (snapshot or
+    checkpoint files, snapshot folders, --hf, --adapter) and writes a results file with the same lock,
+    --resume and --force rules; summarize FILE lists the top and bottom sequences per serving depth.
+    See docs/diagnostic.md.""",
+    short_help="Attribute the deep update's benefit to training sequences.",
+)

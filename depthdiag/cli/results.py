@@ -187,11 +187,40 @@ def summarize(
     if _export_csv(rows, csv_out, force, results):
         return
     warnings = [warning for warning in warnings if warning is not None]
+    extremes = _attribution_extremes(ds)
     if as_json:
         document = summary_document(results, rows, phase, options, warnings, per_seed=per_seed, machines=machines)
+        if extremes is not None:
+            document["attribution_extremes"] = extremes[0]
         click.echo(json_text(document))
     else:
         click.echo(summary_text(rows, phase, options, machines))
+        if extremes is not None:
+            click.echo(extremes[1])
+
+
+def _attribution_extremes(ds) -> tuple[list[dict], str] | None:
+    """A `depthdiag attribute` file's top and bottom sequences (rows, text), decoded by the run's
+    data source where it can render tokens (bioS); None for a file without attributions."""
+    if "attribution" not in ds:
+        return None
+    from analysis.attribution import extreme_sequences, extremes_text
+
+    rows = extreme_sequences(ds)
+    return rows, extremes_text(rows, _token_decoder(ds.attrs.get("config")))
+
+
+def _token_decoder(config_json: str | None):
+    """The run's renderer of token ids as text (bioS), or the ids themselves."""
+    from trainer.config import RunConfig
+    from trainer.data.sources import build_source
+
+    try:
+        source = build_source(RunConfig.from_json(config_json).data) if config_json else None
+    except InputError:  # an adapter's or a folder's config is not a run config
+        source = None
+    describe = getattr(source, "describe", None)
+    return describe if describe is not None else (lambda tokens: " ".join(map(str, tokens)))
 
 
 @click.command()
@@ -199,12 +228,14 @@ def summarize(
 @click.option(
     "--figure",
     "figure_number",
-    type=click.Choice(["4", "map", "monitor", "curves", *GRID_FIGURES, DOWNSTREAM_FIGURE]),
+    type=click.Choice(["4", "map", "groups", "monitor", "curves", *GRID_FIGURES, DOWNSTREAM_FIGURE]),
     default="4",
     show_default=True,
     help="Which figure: the paper's Figure 4 (results files); map: which update depth helps which serving "
     "depth, at the switch and after 16 uniform updates (results files diagnosed with several update depths, "
-    "e.g. --update-depths 4,1,2,8,16); monitor: a run's monitor file (RUN/monitor.h5); curves: a run "
+    "e.g. --update-depths 4,1,2,8,16); groups: the benefit per group (--by GROUPING) and serving depth, at the "
+    "switch and after 16 uniform updates (results files diagnosed with --grouping); monitor: a run's monitor "
+    "file (RUN/monitor.h5); curves: a run "
     "directory's training loss (raw and smoothed) and validation NLL per serving depth, the switch marked; "
     "or from a collected "
     "grid file (depthdiag grid collect): 1 (recall by serving depth at each FLOP budget), 2 (serving NLL "
@@ -219,18 +250,35 @@ def summarize(
     help="Image to write (e.g. figures/figure4.png); a PDF is written beside it.",
 )
 @click.option("--force", is_flag=True, help="Overwrite an existing image (and the PDF beside it).")
+@click.option("--by", "grouping", default=None, metavar="GROUPING", help="The grouping --figure groups draws.")
 @reports_errors
 @interval_options
-def plot(results: tuple[Path, ...], figure_number: str, out: Path, force: bool, options: IntervalOptions) -> None:
+def plot(
+    results: tuple[Path, ...],
+    figure_number: str,
+    out: Path,
+    force: bool,
+    grouping: str | None,
+    options: IntervalOptions,
+) -> None:
     """Draw a figure from RESULTS files (several files are several seeds: the error bars and
     bands are then intervals over seeds; with one file they cover batch noise only).
     `--figure map` draws the update-depth x serving-depth map (seed-level means, or batch
     means for one file); `--figure monitor` draws a run's RUN/monitor.h5; `--figure curves` a
     run directory's metrics.jsonl (`depthdiag plot runs/tiny --figure curves --out curves.png`)."""
-    from analysis.figures import check_figure, figure4, monitor_figure, save_figure, update_depth_map_figure
+    from analysis.figures import (
+        check_figure,
+        figure4,
+        group_benefit_figure,
+        monitor_figure,
+        save_figure,
+        update_depth_map_figure,
+    )
     from analysis.monitor import open_monitor
     from analysis.store import open_results
 
+    if (figure_number == "groups") != (grouping is not None):
+        raise InputError("--figure groups and --by GROUPING go together")
     check_figure(out, inputs=results, force=force)
     if figure_number == "curves":
         _plot_curves(results, out, force)
@@ -255,6 +303,8 @@ def plot(results: tuple[Path, ...], figure_number: str, out: Path, force: bool, 
                 fig = monitor_figure(ds, options=options)
             elif figure_number == "map":
                 fig = update_depth_map_figure(ds, options=options)
+            elif figure_number == "groups":
+                fig = group_benefit_figure(ds, grouping, options=options)
             else:
                 fig = figure4(ds, options=options)
     for warning in caught:

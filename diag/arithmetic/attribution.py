@@ -64,9 +64,9 @@ def attribute_benefit(
     `update_depths[0]` (isolate='linear') to the sequences of `batch` [B, T+1] and of `pool`
     [N, T+1]: `attribution(example, serving_depth)` (the batch's rows, then the pool's; coordinate
     `in_batch`), `linear_benefit(serving_depth)` (from the batch gradients, the sum of the batch
-    rows' attributions), `benefit(serving_depth)` (the diagnostic's own, isolate='linear', for
-    comparison), `clip_coefficient` and `rms_scale` by update depth. The other arguments mean
-    what they mean for `diag.compare_updates`."""
+    rows' attributions), `clip_coefficient(update_depth)`, `example_tokens(example, token)`, beside
+    the unit's own variables (`compare_updates`'s, isolate='linear': its `benefit` for comparison,
+    `rms_scale` the fixed c). The other arguments mean what they mean for `diag.compare_updates`."""
     depths = checked_depths(update_depths, "update_depths")
     if len(depths) != 2:
         raise InputError(f"update_depths must be two depths (reference, deep), got {list(depths)}")
@@ -82,6 +82,22 @@ def attribute_benefit(
         precision=precision,
     )
     diagnostic = UpdateDiagnostic(model, optimizer, eval_tokens, options, eval_mask)
+    return attribute_unit(diagnostic, batch, pool, progress=progress)
+
+
+def attribute_unit(
+    diagnostic: UpdateDiagnostic, batch: Tensor, pool: Tensor | None = None, *, progress: bool = False
+) -> xr.Dataset:
+    """One unit of `diagnostic` (isolate='linear', two update depths) on `batch`, with the
+    attribution of its benefit to the rows of `batch` and `pool`: the unit's own variables and
+    `attribution(example, serving_depth)`, `linear_benefit(serving_depth)`,
+    `benefit_counterfactual(serving_depth)` (the unit's benefit under the default isolation, one
+    more unit: how far the first order reaches), `clip_coefficient(update_depth)`,
+    `example_tokens(example, token)` and the coordinate `in_batch(example)` (see
+    `attribute_benefit`)."""
+    options = diagnostic.options
+    if options.isolate != "linear" or len(options.update_depths) != 2:
+        raise InputError("attribution needs isolate='linear' and two update depths (reference, deep)")
     if not isinstance(diagnostic.step, (AdamStep, SGDStep)):
         raise InputError(
             "attribution needs a step that acts element by element (Adam, AdamW, SGD), "
@@ -95,12 +111,12 @@ def attribute_benefit(
 
     # The update at each depth from the batch gradient, and the fixed clipping and RMS factors.
     clip, updates = [], []
-    for depth in depths:
+    for depth in options.update_depths:
         _, by_name = diagnostic.reached_gradients(batch, depth)
-        norm = clip_gradients_(list(by_name.values()), grad_clip)  # scaled by kappa in place
-        clip.append(float(clip_coefficient(norm, grad_clip)))
+        norm = clip_gradients_(list(by_name.values()), options.grad_clip)  # scaled by kappa in place
+        clip.append(float(clip_coefficient(norm, options.grad_clip)))
         updates.append(diagnostic.step.linear(diagnostic.flat(by_name)))
-    factors = matching_factors(updates, rms_match)
+    factors = matching_factors(updates, options.rms_match)
     difference = [fa * ua - fb * ub for fa, ua, fb, ub in zip(factors[0], updates[0], factors[1], updates[1])]
     del updates
 
@@ -114,7 +130,7 @@ def attribute_benefit(
     del difference
 
     attribution = np.zeros((examples, len(directions)))  # [example, serving_depth]
-    for k, depth in enumerate(depths):
+    for k, depth in enumerate(options.update_depths):
         weight = clip[k] * (1.0 if k == 0 else -1.0)
         for i, gradient in enumerate(row_gradients(diagnostic, rows, depth, count)):
             if i >= len(batch):
@@ -123,23 +139,15 @@ def attribute_benefit(
                 attribution[i, s] += weight * sum(f * _dot([wt], [gt]) for f, wt, gt in zip(factors[k], w, gradient))
             bar.update()
     bar.close()
-    benefit = diagnostic.compare(batch)["benefit"].values
-    return xr.Dataset(
-        {
-            "attribution": (("example", "serving_depth"), attribution),
-            "linear_benefit": (("serving_depth",), np.array(linear_benefit)),
-            "benefit": (("serving_depth",), benefit),
-            "clip_coefficient": (("update_depth",), np.array(clip)),
-            "rms_scale": (("update_depth",), np.array([fs[0] if fs else 1.0 for fs in factors])),
-        },
-        coords={
-            "example": np.arange(examples),
-            "in_batch": ("example", np.arange(examples) < len(batch)),
-            "serving_depth": list(options.serving_depths),
-            "update_depth": list(depths),
-        },
-        attrs={"isolate": "linear", "rms_match": rms_match, "grad_clip": float(grad_clip or 0.0)},
-    )
+    unit = diagnostic.compare(batch)
+    counterfactual = diagnostic.with_isolation("counterfactual").compare(batch)["benefit"]
+    return unit.assign(
+        attribution=(("example", "serving_depth"), attribution),
+        linear_benefit=(("serving_depth",), np.array(linear_benefit)),
+        benefit_counterfactual=counterfactual,
+        clip_coefficient=(("update_depth",), np.array(clip)),
+        example_tokens=(("example", "token"), torch.cat(rows).cpu().numpy()),
+    ).assign_coords(example=np.arange(examples), in_batch=("example", np.arange(examples) < len(batch)))
 
 
 def _dot(a: Sequence[Tensor], b: Sequence[Tensor]) -> float:

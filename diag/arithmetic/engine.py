@@ -41,6 +41,8 @@ the comparison to mean much.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import functools
 import json
 import math
@@ -513,6 +515,12 @@ class UpdateDiagnostic:
         if self._group_sums_before is None:
             self._group_sums_before = self.group_nll_sums(None)
         return self._group_sums_before
+
+    def with_isolation(self, isolate: str) -> UpdateDiagnostic:
+        """This diagnostic with another isolation; its clones and the NLL before are shared."""
+        other = copy.copy(self)
+        other.options = dataclasses.replace(self.options, isolate=isolate)
+        return other
 
     # --- one unit ---
 

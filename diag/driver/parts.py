@@ -36,13 +36,16 @@ PER_UNIT = ("nll", "benefit", "benefit_all", "update_rms", "rms_scale", "update_
 """Variables with a value per (snapshot, batch) unit; nll_before is per snapshot."""
 
 BASE_DIMS = ("snapshot", "batch", "update_depth", "serving_depth")
-"""A unit's dimensions besides its groupings' (diag/arithmetic/target_groups.py)."""
+"""A unit's dimensions besides its own (groupings', examples')."""
 
 
-def grouped_variables(unit: xr.Dataset) -> list[str]:
+def extra_variables(unit: xr.Dataset) -> list[str]:
     """A unit's variables by group of the evaluation targets (nll_by_X, nll_before_by_X,
-    targets_by_X): per unit in the results, each grouping's labels a coordinate."""
-    return [str(name) for name in unit.data_vars if str(name).startswith(("nll_by_", "nll_before_by_", "targets_by_"))]
+    targets_by_X) and its attribution's (attribution, linear_benefit, clip_coefficient,
+    example_tokens): per unit in the results, along coordinates of their own."""
+    prefixes = ("nll_by_", "nll_before_by_", "targets_by_")
+    attribution = ("attribution", "linear_benefit", "benefit_counterfactual", "clip_coefficient", "example_tokens")
+    return [str(name) for name in unit.data_vars if str(name).startswith(prefixes) or name in attribution]
 
 
 MUST_BE_FINITE = {"nll": "NLL", "nll_before": "NLL before the update", "train_loss": "loss", "update_rms": "update RMS"}
@@ -59,8 +62,11 @@ def run_manifest(config: DiagnoseConfig, entries: list[Entry], device: torch.dev
         for k, v in asdict(config).items()
         if k in ("update_depths", "serving_depths", "isolate", "rms_match", "lr", "eval_batch_size", "eval_set")
     }
-    if config.groupings:  # absent otherwise: a run without groupings resumes the files of older runs
+    # Absent when not asked for: a run without them resumes the files of older runs.
+    if config.groupings:
         settings["groupings"] = list(config.groupings)
+    if config.attribute:
+        settings.update(attribute=True, pool=config.pool)
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
     if config.sharded:
         settings["sharded_over"] = world_size
@@ -268,11 +274,16 @@ def assemble_results(config: DiagnoseConfig, entries: list[Entry], manifest: dic
                 unit = unit.load().isel(snapshot=0, batch=0)
             if nll_before is None:
                 nll_before = np.full((len(entries), unit.sizes["serving_depth"]), np.nan)
-                for name in (*PER_UNIT, *grouped_variables(unit)):
+                for name in (*PER_UNIT, *extra_variables(unit)):
                     if name in unit:
                         dims[name] = ("snapshot", "batch") + unit[name].dims
                         arrays[name] = np.full((len(entries), n_batch) + unit[name].shape, np.nan)
-                group_labels = {dim: unit[dim].values for dim in unit.dims if dim not in BASE_DIMS}
+                # Group labels, examples: the coordinates of a unit's own dimensions.
+                extra_coords = {
+                    name: (coord.dims, coord.values)
+                    for name, coord in unit.coords.items()
+                    if coord.dims and not set(coord.dims) & set(BASE_DIMS)
+                }
                 unit_attrs = dict(unit.attrs)
             if b == 0:
                 nll_before[s] = unit["nll_before"].values
@@ -288,7 +299,7 @@ def assemble_results(config: DiagnoseConfig, entries: list[Entry], manifest: dic
         "batch": np.arange(n_batch, dtype=np.int64),
         "update_depth": np.array(config.update_depths, dtype=np.int64),
         "serving_depth": np.array(config.serving_depths, dtype=np.int64),
-        **group_labels,
+        **extra_coords,
     }
     seed = _run_seed(entries)
     if seed is not None:

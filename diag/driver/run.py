@@ -46,10 +46,12 @@ from common.errors import InputError
 from common.lock import exclusive_output
 from common.outputs import refuse_inputs, refuse_unrecognized
 from common.progress import progress_bar
+from diag.arithmetic.attribution import attribute_unit
 from diag.arithmetic.model_checks import bias_correction_message
 from diag.driver.parts import assemble_results, diverged_error, non_finite, part_path, prepare_parts, run_manifest
 from diag.driver.ranks import diagnose_across_ranks
 from diag.sources.entries import open_entry, run_entries
+from diag.sources.files import pool_sequences
 from diag.sources.inputs import DiagnoseConfig, Entry
 from trainer.distributed import resolve_device
 
@@ -63,13 +65,17 @@ def _run_units(config: DiagnoseConfig, entries: list[Entry], parts: Path, device
             if not todo[entry.name]:
                 continue
             diagnostic, adapted = open_entry(config, entry, device)
+            pool = pool_sequences(entry, config.pool) if config.pool else None
             warning = bias_correction_message(adapted.optimizer)
             if warning:
                 bar.write(f"warning: {entry.path}: {warning}")
             for i in todo[entry.name]:
                 batch = adapted.batches[i]
                 bar.set_postfix_str(f"{entry.name} batch {i}")
-                unit = diagnostic.compare(batch)
+                try:
+                    unit = attribute_unit(diagnostic, batch, pool) if config.attribute else diagnostic.compare(batch)
+                except InputError as err:  # a unit's problem (e.g. isolate='linear' refused): name its file
+                    raise InputError(f"{entry.path}, batch {i}: {err}") from None
                 problem = non_finite(unit)
                 if problem is not None:
                     raise diverged_error(entries, entry, i, problem, parts)
@@ -97,6 +103,8 @@ def diagnose(config: DiagnoseConfig) -> Path:
     """Run every unit of `config` and write the results file; returns its path. Under torchrun
     (WORLD_SIZE > 1) every rank calls this and the units are spread over them."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if config.attribute:
+            raise InputError("attribution: not under torchrun yet; run it in one process")
         return diagnose_across_ranks(config)
     if config.sharded:
         raise InputError(

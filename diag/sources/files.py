@@ -23,6 +23,7 @@ from trainer.checkpoint import (
     load_sharded_state,
     load_snapshot,
 )
+from trainer.config import RunConfig
 from trainer.data.sources import build_source
 from trainer.distributed import World, shard_model
 from trainer.model import LoopedTransformer
@@ -107,6 +108,18 @@ def snapshot_batches(snap: Snapshot, n: int) -> list[torch.Tensor]:
     cfg = snap.config
     source = build_source(cfg.data)
     return [source.batch(cfg.train.seed, snap.step + i, cfg.train.batch_size, cfg.train.seq_len) for i in range(n)]
+
+
+def pool_sequences(entry: Entry, n: int) -> torch.Tensor:
+    """`n` training sequences [n, T+1] of the entry's run, from its stream's batches right after
+    the diagnosed ones (steps step + batches, ...)."""
+    cfg = RunConfig.from_json(entry.config_json, entry.path)
+    source = build_source(cfg.data)
+    rows, step = [], entry.step + entry.batches
+    while sum(len(r) for r in rows) < n:
+        rows.append(source.batch(cfg.train.seed, step, cfg.train.batch_size, cfg.train.seq_len))
+        step += 1
+    return torch.cat(rows)[:n]
 
 
 def sharded_snapshot(snap: Snapshot, world: World) -> tuple[LoopedTransformer, torch.optim.Optimizer]:

@@ -49,6 +49,13 @@ class DiagnoseConfig:
     groupings: tuple[str, ...] = ()
     """Groupings of the evaluation targets to record each group's NLLs by (diag/sources/groupings.py):
     'attribute', 'frequency', 'position' or MODULE:NAME; `summarize --by` reads them."""
+    attribute: bool = False
+    """Each unit also attributes its benefit to its batch's sequences and `pool` more
+    (diag/arithmetic/attribution.py, `depthdiag attribute`); needs isolate 'linear' and two
+    update depths."""
+    pool: int = 0
+    """Sequences of the run's own stream, after the diagnosed batches, scored against each unit's
+    update besides its batch's (snapshot and checkpoint files only)."""
     device: str = "auto"
     """'auto' (cuda when available), 'cpu' or 'cuda'."""
     resume: bool = False
@@ -120,6 +127,14 @@ class DiagnoseConfig:
             raise InputError("--sharded shards a run's snapshot or checkpoint files, not an --adapter or --hf model")
         if self.resume and self.force:
             raise InputError("--resume and --force contradict each other: pick one")
+        if self.attribute and (self.isolate != "linear" or len(self.update_depths) != 2):
+            raise InputError("attribution splits the benefit of isolate='linear' between two update depths")
+        if self.pool < 0 or (self.pool and not self.attribute):
+            raise InputError(f"--pool must be >= 0 and is for attribution, got {self.pool}")
+        if self.pool and (self.adapter is not None or self.hf is not None):
+            raise InputError("--pool draws from a run's own stream: snapshot or checkpoint files only")
+        if self.attribute and self.sharded:
+            raise InputError("attribution: not with --sharded yet")
         deepest = max((*self.update_depths, *self.serving_depths), default=0)
         if deepest > self.max_depth:
             raise InputError(f"depth {deepest} is above the maximum {self.max_depth} (--max-depth N allows deeper)")
