@@ -79,7 +79,7 @@ class FirstVersionDiagnostic(UpdateDiagnostic):
                 targets=self.eval_targets,
                 batch_size=self.options.eval_batch_size,
                 counts=self._chunk_counts,
-                state=lambda: {f"model.{name}": value for name, value in self._state(params).items()},
+                state=lambda: {f"model.{name}": value for name, value in self.module_state(params).items()},
             )
         return nll.cpu().numpy()
 

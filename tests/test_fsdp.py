@@ -106,6 +106,7 @@ def test_fsdp_snapshots_are_sharded_folders_a_plain_process_reads_as_the_one_pro
             load_snapshot(runs["fsdp"] / "snapshots" / f"{name}.dcp", kind="checkpoint")
 
 
+@pytest.mark.slow  # 12 s; sharded snapshots after updates stay in make test
 def test_a_snapshot_before_the_first_update_is_sharded_without_an_optimizer_step(tmp_path):
     """A switch at step 0 snapshots a fresh optimizer: gathering its state would create it with
     a zero-LR step (AdamW's first, changing the training); the folder holds the model's shards
