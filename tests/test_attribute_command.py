@@ -111,3 +111,15 @@ def test_what_attribute_refuses_is_one_line(sgd_run, tmp_path):
     error = stderr.strip().splitlines()[-1]  # after the warning that this Adam state is young
     assert code == 2 and error.startswith(f"depthdiag: error: {adam_run[2]}, batch 0: isolate='linear': Adam's second")
     assert not (tmp_path / "b.h5").exists()
+
+
+def test_summarize_renders_sequences_as_the_run_tokenized_them(tmp_path):
+    from depthdiag.cli.results import _token_decoder
+
+    bios = run_config()
+    text = replace(
+        bios, data=replace(bios.data, source="text", path="corpus.txt"), model=replace(bios.model, vocab_size=256)
+    )
+    assert _token_decoder(text.to_json(), tmp_path / "a.h5")([104, 105, 10]) == "'hi\\n'"  # UTF-8 bytes
+    assert _token_decoder(bios.to_json(), tmp_path / "a.h5")([0, 5]) == "[SEP] [major]"
+    assert _token_decoder(None, tmp_path / "a.h5")([3, 4]) == "3 4"  # no run config: the ids

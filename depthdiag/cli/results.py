@@ -187,7 +187,7 @@ def summarize(
     if _export_csv(rows, csv_out, force, results):
         return
     warnings = [warning for warning in warnings if warning is not None]
-    extremes = _attribution_extremes(ds)
+    extremes = _attribution_extremes(ds, results[0])
     if as_json:
         document = summary_document(results, rows, phase, options, warnings, per_seed=per_seed, machines=machines)
         if extremes is not None:
@@ -199,7 +199,7 @@ def summarize(
             click.echo(extremes[1])
 
 
-def _attribution_extremes(ds) -> tuple[list[dict], str] | None:
+def _attribution_extremes(ds, results: Path) -> tuple[list[dict], str] | None:
     """A `depthdiag attribute` file's top and bottom sequences (rows, text), decoded by the run's
     data source where it can render tokens (bioS); None for a file without attributions."""
     if "attribution" not in ds:
@@ -207,20 +207,29 @@ def _attribution_extremes(ds) -> tuple[list[dict], str] | None:
     from analysis.attribution import extreme_sequences, extremes_text
 
     rows = extreme_sequences(ds)
-    return rows, extremes_text(rows, _token_decoder(ds.attrs.get("config")))
+    return rows, extremes_text(rows, _token_decoder(ds.attrs.get("config"), results))
 
 
-def _token_decoder(config_json: str | None):
-    """The run's renderer of token ids as text (bioS), or the ids themselves."""
+def _token_decoder(config_json: str | None, results: Path):
+    """The run's rendering of token ids as text: bioS's renderer, a text run's tokenizer
+    (trainer/data/text_tokens.py), or the ids themselves when there is neither."""
     from trainer.config import RunConfig
     from trainer.data.sources import build_source
+    from trainer.data.text_tokens import resolve_tokenizer
+
+    def ids(tokens) -> str:
+        return " ".join(map(str, tokens))
 
     try:
-        source = build_source(RunConfig.from_json(config_json).data) if config_json else None
-    except InputError:  # an adapter's or a folder's config is not a run config
-        source = None
-    describe = getattr(source, "describe", None)
-    return describe if describe is not None else (lambda tokens: " ".join(map(str, tokens)))
+        config = RunConfig.from_json(config_json) if config_json else None
+        if config is None:
+            return ids
+        if config.data.source == "bios":
+            return build_source(config.data).describe
+        tokenizer = resolve_tokenizer(config, None, results)
+    except InputError:  # an adapter's or a folder's config, or a tokenizer that is not there
+        return ids
+    return lambda tokens: repr(tokenizer.decode(tokens))
 
 
 @click.command()
