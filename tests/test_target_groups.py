@@ -57,7 +57,7 @@ def huginn():
 
 
 def groupings(eval_tokens: torch.Tensor) -> list[TargetGroups]:
-    by_token = groups_of_ids("token", eval_tokens[:, 1:] % 3)
+    by_token = groups_of_ids("by_token", eval_tokens[:, 1:] % 3)
     # A grouping that leaves targets out: only even target tokens, by position.
     partial = torch.where(eval_tokens[:, 1:] % 2 == 0, torch.arange(T).expand(len(eval_tokens), T) // 4, -1)
     return [by_token, groups_of_ids("even_position", partial), position_groups(T, len(eval_tokens))]
@@ -88,7 +88,7 @@ def test_a_groups_nll_is_the_nll_of_its_targets_alone_and_the_groups_give_back_t
             np.testing.assert_allclose(
                 ds[f"nll_before_by_{name}"].sel({name: label}).values, alone["nll_before"].values, atol=FP32_ROUNDING
             )
-    for name in ("token", "position"):  # every counted target in one group: the headline back
+    for name in ("by_token", "position"):  # every counted target in one group: the headline back
         n = ds[f"targets_by_{name}"]
         benefit = ds[f"nll_by_{name}"].isel(update_depth=0) - ds[f"nll_by_{name}"].isel(update_depth=-1)
         np.testing.assert_allclose((benefit * n).sum(name) / n.sum(), ds["benefit"], rtol=0, atol=FP32_ROUNDING)
@@ -209,3 +209,16 @@ def test_diagnose_records_the_groupings_and_summarize_prints_the_benefit_by_grou
         "diagnose", *args, "--eval-set", "snapshot", "--grouping", "attribute", "--out", tmp_path / "z.h5"
     )
     assert code == 2 and "--eval-set attributes" in stderr
+
+
+def test_frequency_quartiles_are_by_rank_over_the_counted_targets_and_ties_share_one():
+    from diag.sources.groupings import quantile_ids
+
+    values = torch.tensor([[0, 0, 0, 0, 0, 1, 2, 3, 5, 9, 7, 100]])
+    counted = torch.ones_like(values, dtype=torch.bool)
+    ids = quantile_ids(values, counted)
+    # 12 counted, quartile = first rank * 4 // 12: the five zeros start at rank 0 (all q1), so q1
+    # holds 5 targets and the value at rank 5 starts q2.
+    assert ids.tolist() == [[0, 0, 0, 0, 0, 1, 2, 2, 2, 3, 3, 3]]
+    counted[0, :5] = False  # the zeros not counted: 7 values, quartile = rank * 4 // 7
+    assert quantile_ids(values, counted).tolist() == [[-1] * 5 + [0, 0, 1, 1, 2, 2, 3]]

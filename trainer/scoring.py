@@ -162,9 +162,10 @@ def token_nll_by_depth(
 ) -> Tensor:
     """NLL of every target of `targets` [B, T] given `input_ids` [B, T] at each depth, float32
     [len(depths), B, T] (0 where IGNORE_INDEX): from one pass of the model's `logits_by_depth`
-    when it has one, otherwise one forward per depth, as `nll_by_depth`."""
+    when `nll_by_depth` takes that route too (the model has both), otherwise one forward per
+    depth with `depth_call`, so that the two score the same forwards."""
     depths = list(depths)
-    if callable(getattr(model, "logits_by_depth", None)):
+    if callable(getattr(model, "nll_by_depth", None)) and callable(getattr(model, "logits_by_depth", None)):
         if state is None:
             return TokenNllByDepth(model)(input_ids, targets, depths)
         routed = {f"model.{name}": value for name, value in state().items()}

@@ -204,6 +204,8 @@ def _attribution_extremes(ds, results: Path) -> tuple[list[dict], str] | None:
     data source where it can render tokens (bioS); None for a file without attributions."""
     if "attribution" not in ds:
         return None
+    if "seed" in ds.dims:
+        raise InputError(f"{results}: the top and bottom sequences are listed for one attribution file at a time")
     from analysis.attribution import extreme_sequences, extremes_text
 
     rows = extreme_sequences(ds)

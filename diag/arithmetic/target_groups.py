@@ -25,8 +25,13 @@ from common.errors import InputError
 from diag.arithmetic.random_streams import common_random_numbers
 from trainer.scoring import group_sums, token_nll_by_depth
 
-RESERVED_NAMES = frozenset({"update_depth", "serving_depth", "unit", "snapshot", "batch", "seed", "example"})
-"""Dimension names of the results a grouping's name must not take."""
+RESERVED_NAMES = frozenset(
+    {
+        *("update_depth", "serving_depth", "snapshot", "batch", "seed", "example", "token", "in_batch"),
+        *("uniform_updates", "step", "lr", "machine", "trained_on", "unit"),
+    }
+)
+"""Names in a results file (dimensions, coordinates) a grouping's name must not take."""
 
 
 @dataclass(frozen=True)

@@ -299,7 +299,7 @@ def assemble_results(config: DiagnoseConfig, entries: list[Entry], manifest: dic
         "batch": np.arange(n_batch, dtype=np.int64),
         "update_depth": np.array(config.update_depths, dtype=np.int64),
         "serving_depth": np.array(config.serving_depths, dtype=np.int64),
-        **extra_coords,
+        **extra_coords,  # names a grouping may not take (RESERVED_NAMES) never clash
     }
     seed = _run_seed(entries)
     if seed is not None:

@@ -111,7 +111,9 @@ def adapted_diagnostic(
     run = RunConfig.from_json(entry.config_json, str(entry.path)) if entry is not None else None
     origin = entry.path if entry is not None else adapted.name or "the model"
     eval_set = entry.eval_set if entry is not None else None
-    named = target_groupings(config.groupings, adapted.eval_tokens, run=run, eval_set=eval_set, origin=origin)
+    named = target_groupings(
+        config.groupings, adapted.eval_tokens, adapted.eval_mask, run=run, eval_set=eval_set, origin=origin
+    )
     eval_groups = (*adapted.eval_groups, *named)
     options = replace(
         config.diagnostic,

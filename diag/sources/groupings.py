@@ -4,7 +4,7 @@
 - `attribute` (bioS runs, --eval-set attributes): the attribute each counted target is a
   value token of (birth_day, birth_month, ...);
 - `frequency`: how often the target token occurs in the run's training stream (a sample of its
-  first batches), in quartiles over the counted targets, rarest first;
+  first batches), in quartiles by rank over the counted targets, rarest first (q1..q4);
 - `position`: the target's position in its sequence, in four equal spans;
 - MODULE:NAME: a function of yours, NAME(eval_tokens int64 [E, T+1]) -> int ids [E, T], one
   group per target of eval_tokens[:, 1:] (negative: in none); its groups are its distinct ids.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -32,16 +31,27 @@ QUANTILES = 4
 
 
 def target_groupings(
-    names: Sequence[str], eval_tokens: Tensor, *, run: RunConfig | None, eval_set: str | None, origin: object
+    names: Sequence[str],
+    eval_tokens: Tensor,
+    eval_mask: Tensor | None,
+    *,
+    run: RunConfig | None,
+    eval_set: str | None,
+    origin: object,
 ) -> tuple[TargetGroups, ...]:
-    """The groupings `names` of the targets of `eval_tokens` [E, T+1]; `run` and `eval_set`: the
-    run's config and its resolved evaluation set, where the input has them (a snapshot or
-    checkpoint file); `origin` names the input in errors."""
-    return tuple(_grouping(name, eval_tokens, run, eval_set, origin) for name in names)
+    """The groupings `names` of the targets of `eval_tokens` [E, T+1] (`eval_mask`: the counted
+    ones); `run` and `eval_set`: the run's config and its resolved evaluation set, where the
+    input has them (a snapshot or checkpoint file); `origin` names the input in errors."""
+    return tuple(_grouping(name, eval_tokens, eval_mask, run, eval_set, origin) for name in names)
 
 
 def _grouping(
-    name: str, eval_tokens: Tensor, run: RunConfig | None, eval_set: str | None, origin: object
+    name: str,
+    eval_tokens: Tensor,
+    eval_mask: Tensor | None,
+    run: RunConfig | None,
+    eval_set: str | None,
+    origin: object,
 ) -> TargetGroups:
     if ":" in name:
         return _user_grouping(name, eval_tokens)
@@ -55,7 +65,7 @@ def _grouping(
             "carry; use position or a MODULE:NAME function of the evaluation tokens"
         )
     if name == "frequency":
-        return frequency_groups(eval_tokens, run)
+        return frequency_groups(eval_tokens, eval_mask, run)
     if run.data.source != "bios" or eval_set != "attributes":
         raise InputError(f"{origin}: --grouping attribute needs a bioS run diagnosed with --eval-set attributes")
     return attribute_groups(eval_tokens, run, origin)
@@ -70,21 +80,28 @@ def position_groups(length: int, rows: int, spans: int = QUANTILES) -> TargetGro
     return TargetGroups("position", span.expand(rows, length).clone(), labels)
 
 
-def frequency_groups(eval_tokens: Tensor, run: RunConfig) -> TargetGroups:
-    """Targets by their token's count in the first FREQUENCY_SAMPLE_BATCHES training batches of
-    the run's stream, in quartiles over the evaluation targets (rarest first; quartiles that
-    the counts' ties merge are one group)."""
+def frequency_groups(eval_tokens: Tensor, eval_mask: Tensor | None, run: RunConfig) -> TargetGroups:
+    """Counted targets by their token's count in the first FREQUENCY_SAMPLE_BATCHES training
+    batches of the run's stream, in quartiles by rank over the counted targets, rarest first
+    (q1..q4 whatever the run, so that seeds line up); a token's targets share a quartile, the
+    one its rarest tie starts in, so ties can leave a quartile empty."""
     source = build_source(run.data)
     counts = torch.zeros(max(source.vocab_size, int(eval_tokens.max()) + 1), dtype=torch.int64)
     for step in range(FREQUENCY_SAMPLE_BATCHES):
         batch = source.batch(run.train.seed, step, run.train.batch_size, run.train.seq_len)
         counts += torch.bincount(batch.flatten(), minlength=len(counts))[: len(counts)]
-    frequency = counts[eval_tokens[:, 1:]].double()  # [E, T]
-    edges = np.unique(np.quantile(frequency.numpy(), np.linspace(0, 1, QUANTILES + 1)[1:-1]))
-    bucket = torch.from_numpy(np.searchsorted(edges, frequency.numpy(), side="right")).long()
-    bounds = [frequency.min().item(), *edges.tolist(), frequency.max().item()]
-    labels = tuple(f"q{k + 1} ({bounds[k]:.0f}-{bounds[k + 1]:.0f})" for k in range(len(edges) + 1))
-    return TargetGroups("frequency", bucket, labels)
+    frequency = counts[eval_tokens[:, 1:]]  # [E, T]
+    counted = torch.ones_like(frequency, dtype=torch.bool) if eval_mask is None else eval_mask.to(frequency.device)
+    return TargetGroups("frequency", quantile_ids(frequency, counted), tuple(f"q{k + 1}" for k in range(QUANTILES)))
+
+
+def quantile_ids(values: Tensor, counted: Tensor, quantiles: int = QUANTILES) -> Tensor:
+    """The quantile by rank (0 = smallest) of each counted value among the counted ones, -1
+    where not counted; equal values share the quantile their first rank falls in."""
+    ordered = torch.sort(values[counted]).values
+    first_rank = torch.searchsorted(ordered, values)  # [E, T]: how many counted values are smaller
+    ids = first_rank * quantiles // max(len(ordered), 1)
+    return torch.where(counted, ids, torch.full_like(ids, -1))
 
 
 def attribute_groups(eval_tokens: Tensor, run: RunConfig, origin: object) -> TargetGroups:

@@ -5,6 +5,7 @@ each of its inputs becomes before anything is computed (`Entry`, one per label a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from common.choices import DEVICE_CHOICES, EVAL_SET_CHOICES
 from common.depths import MAX_SERVING_DEPTH, SERVING_DEPTHS, UPDATE_DEPTHS
@@ -12,6 +13,7 @@ from common.errors import InputError
 from diag.arithmetic.engine import DiagnosticOptions, UpdateDiagnostic
 from diag.sources.adapter import AdaptedModel
 from diag.sources.hf import HfInput
+from trainer.checkpoint import is_sharded_folder
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,11 @@ class DiagnoseConfig:
             raise InputError("--pool draws from a run's own stream: snapshot or checkpoint files only")
         if self.attribute and self.sharded:
             raise InputError("attribution: not with --sharded yet")
+        if self.groupings and self.sharded:
+            raise InputError("--grouping: not with --sharded yet; diagnose the groups in one process")
+        folders = [path for path in self.snapshots if Path(path).is_dir() and not is_sharded_folder(path)]
+        if self.pool and folders:
+            raise InputError(f"{folders[0]}: --pool draws from a run's own stream: snapshot or checkpoint files only")
         deepest = max((*self.update_depths, *self.serving_depths), default=0)
         if deepest > self.max_depth:
             raise InputError(f"depth {deepest} is above the maximum {self.max_depth} (--max-depth N allows deeper)")
