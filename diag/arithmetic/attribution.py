@@ -41,6 +41,15 @@ from diag.arithmetic.random_streams import common_random_numbers, sequence_seed
 from trainer.loss import clip_coefficient, clip_gradients_, counted_targets, summed_token_loss
 from trainer.model import IGNORE_INDEX, LoopedTransformer
 
+ATTRIBUTION_VARIABLES = (
+    "attribution",
+    "linear_benefit",
+    "benefit_counterfactual",
+    "clip_coefficient",
+    "example_tokens",
+)
+"""The variables `attribute_unit` adds to a unit."""
+
 
 def attribute_benefit(
     model: torch.nn.Module,

@@ -26,6 +26,7 @@ from common.benefit import benefit_description
 from common.errors import InputError
 from common.outputs import OutputKind, refuse_unrecognized
 from common.provenance import describe_machine, provenance
+from diag.arithmetic.attribution import ATTRIBUTION_VARIABLES
 from diag.sources.inputs import DiagnoseConfig, Entry
 from trainer.machine import machine
 
@@ -44,8 +45,7 @@ def extra_variables(unit: xr.Dataset) -> list[str]:
     targets_by_X) and its attribution's (attribution, linear_benefit, clip_coefficient,
     example_tokens): per unit in the results, along coordinates of their own."""
     prefixes = ("nll_by_", "nll_before_by_", "targets_by_")
-    attribution = ("attribution", "linear_benefit", "benefit_counterfactual", "clip_coefficient", "example_tokens")
-    return [str(name) for name in unit.data_vars if str(name).startswith(prefixes) or name in attribution]
+    return [str(name) for name in unit.data_vars if str(name).startswith(prefixes) or name in ATTRIBUTION_VARIABLES]
 
 
 MUST_BE_FINITE = {"nll": "NLL", "nll_before": "NLL before the update", "train_loss": "loss", "update_rms": "update RMS"}
@@ -277,7 +277,10 @@ def assemble_results(config: DiagnoseConfig, entries: list[Entry], manifest: dic
                 for name in (*PER_UNIT, *extra_variables(unit)):
                     if name in unit:
                         dims[name] = ("snapshot", "batch") + unit[name].dims
-                        arrays[name] = np.full((len(entries), n_batch) + unit[name].shape, np.nan)
+                        # Counts and token ids stay integers (-1 where a snapshot has fewer batches).
+                        integer = unit[name].dtype.kind in "iu"
+                        shape = (len(entries), n_batch) + unit[name].shape
+                        arrays[name] = np.full(shape, -1, dtype=np.int64) if integer else np.full(shape, np.nan)
                 # Group labels, examples: the coordinates of a unit's own dimensions.
                 extra_coords = {
                     name: (coord.dims, coord.values)
