@@ -48,7 +48,7 @@ ATTRIBUTION_VARIABLES = (
     "clip_coefficient",
     "example_tokens",
 )
-"""The variables `attribute_unit` adds to a unit."""
+"""The variables `SequenceAttribution.unit` adds to a unit."""
 
 
 def attribute_benefit(
@@ -91,74 +91,95 @@ def attribute_benefit(
         precision=precision,
     )
     diagnostic = UpdateDiagnostic(model, optimizer, eval_tokens, options, eval_mask)
-    return attribute_unit(diagnostic, batch, pool, progress=progress)
+    return SequenceAttribution(diagnostic).unit(batch, pool, progress=progress)
 
 
-def attribute_unit(
-    diagnostic: UpdateDiagnostic, batch: Tensor, pool: Tensor | None = None, *, progress: bool = False
-) -> xr.Dataset:
-    """One unit of `diagnostic` (isolate='linear', two update depths) on `batch`, with the
-    attribution of its benefit to the rows of `batch` and `pool`: the unit's own variables and
-    `attribution(example, serving_depth)`, `linear_benefit(serving_depth)`,
-    `benefit_counterfactual(serving_depth)` (the unit's benefit under the default isolation, one
-    more unit: how far the first order reaches), `clip_coefficient(update_depth)`,
-    `example_tokens(example, token)` and the coordinate `in_batch(example)` (see
-    `attribute_benefit`)."""
-    options = diagnostic.options
-    if options.isolate != "linear" or len(options.update_depths) != 2:
-        raise InputError("attribution needs isolate='linear' and two update depths (reference, deep)")
-    if not isinstance(diagnostic.step, (AdamStep, SGDStep)):
-        raise InputError(
-            "attribution needs a step that acts element by element (Adam, AdamW, SGD), "
-            f"not {diagnostic.step.optimizer_class}"
-        )
-    batch = diagnostic.check_batch(batch)
-    rows = [batch] if pool is None else [batch, diagnostic.check_batch(pool, "pool")]
-    examples = sum(len(r) for r in rows)
-    count = float(counted_targets(batch))
-    bar = tqdm(total=2 * examples + len(options.serving_depths), desc="attribute", disable=not progress)
+class SequenceAttribution:
+    """The attribution units of one snapshot's diagnostic (isolate='linear', two update
+    depths). What does not depend on the batch, e_s and w_s = J^T e_s at every serving depth,
+    is computed on the first unit and kept (2 S copies of the trainable parameters, w_s in
+    float64 for the dot products)."""
 
-    # The update at each depth from the batch gradient, and the fixed clipping and RMS factors.
-    clip, updates = [], []
-    for depth in options.update_depths:
-        _, by_name = diagnostic.reached_gradients(batch, depth)
-        norm = clip_gradients_(list(by_name.values()), options.grad_clip)  # scaled by kappa in place
-        clip.append(float(clip_coefficient(norm, options.grad_clip)))
-        updates.append(diagnostic.step.linear(diagnostic.flat(by_name)))
-    factors = matching_factors(updates, options.rms_match)
-    difference = [fa * ua - fb * ub for fa, ua, fb, ub in zip(factors[0], updates[0], factors[1], updates[1])]
-    del updates
+    def __init__(self, diagnostic: UpdateDiagnostic):
+        options = diagnostic.options
+        if options.isolate != "linear" or len(options.update_depths) != 2:
+            raise InputError("attribution needs isolate='linear' and two update depths (reference, deep)")
+        if not isinstance(diagnostic.step, (AdamStep, SGDStep)):
+            raise InputError(
+                "attribution needs a step that acts element by element (Adam, AdamW, SGD), "
+                f"not {diagnostic.step.optimizer_class}"
+            )
+        self.diagnostic = diagnostic
+        self._eval_gradients: list[list[Tensor]] = []  # e_s per serving depth, flat order
+        self._directions: list[Tensor] = []  # per tensor: w_s stacked over serving depths [S, numel], float64
 
-    # linear_benefit from e_s itself; the sequences are scored with w_s = J^T e_s.
-    linear_benefit, directions = [], []
-    for depth in options.serving_depths:
-        e = diagnostic.flat(eval_gradient(diagnostic, depth))
-        linear_benefit.append(_dot(e, difference))
-        directions.append(diagnostic.step.linear_transposed(e))
-        bar.update()
-    del difference
-
-    attribution = np.zeros((examples, len(directions)))  # [example, serving_depth]
-    for k, depth in enumerate(options.update_depths):
-        weight = clip[k] * (1.0 if k == 0 else -1.0)
-        for i, gradient in enumerate(row_gradients(diagnostic, rows, depth, count)):
-            if i >= len(batch):
-                diagnostic.step.refuse_where_not_linear(gradient)
-            for s, w in enumerate(directions):
-                attribution[i, s] += weight * sum(f * _dot([wt], [gt]) for f, wt, gt in zip(factors[k], w, gradient))
+    def _serving_directions(self, bar) -> None:
+        """e_s and w_s = J^T e_s at every serving depth, once."""
+        if self._eval_gradients:
+            return
+        diagnostic = self.diagnostic
+        directions = []
+        for depth in diagnostic.options.serving_depths:
+            e = diagnostic.flat(eval_gradient(diagnostic, depth))
+            self._eval_gradients.append(e)
+            directions.append(diagnostic.step.linear_transposed(e))
             bar.update()
-    bar.close()
-    unit = diagnostic.compare(batch)
-    default = diagnostic.with_isolation("counterfactual")
-    default.eval_groups = []  # only its benefit is read: no group passes
-    counterfactual = default.compare(batch)["benefit"]
-    return unit.assign(
-        attribution=(("example", "serving_depth"), attribution),
-        linear_benefit=(("serving_depth",), np.array(linear_benefit)),
-        benefit_counterfactual=counterfactual,
-        clip_coefficient=(("update_depth",), np.array(clip)),
-        example_tokens=(("example", "token"), torch.cat(rows).cpu().numpy()),
-    ).assign_coords(example=np.arange(examples), in_batch=("example", np.arange(examples) < len(batch)))
+        self._directions = [
+            torch.stack([w[t].flatten().double() for w in directions]) for t in range(len(directions[0]))
+        ]
+
+    def unit(self, batch: Tensor, pool: Tensor | None = None, *, progress: bool = False) -> xr.Dataset:
+        """The unit on `batch` and the attribution of its benefit to the rows of `batch` and
+        `pool`: the unit's own variables and `attribution(example, serving_depth)`,
+        `linear_benefit(serving_depth)`, `benefit_counterfactual(serving_depth)` (the unit's
+        benefit under the default isolation, one more unit: how far the first order reaches),
+        `clip_coefficient(update_depth)`, `example_tokens(example, token)` and the coordinate
+        `in_batch(example)` (see `attribute_benefit`)."""
+        diagnostic, options = self.diagnostic, self.diagnostic.options
+        batch = diagnostic.check_batch(batch)
+        rows = [batch] if pool is None else [batch, diagnostic.check_batch(pool, "pool")]
+        examples = sum(len(r) for r in rows)
+        count = float(counted_targets(batch))
+        first = not self._eval_gradients
+        bar = tqdm(total=2 * examples + first * len(options.serving_depths), desc="attribute", disable=not progress)
+        self._serving_directions(bar)
+
+        # The update at each depth from the batch gradient, and the fixed clipping and RMS factors.
+        clip, updates = [], []
+        for depth in options.update_depths:
+            _, by_name = diagnostic.reached_gradients(batch, depth)
+            norm = clip_gradients_(list(by_name.values()), options.grad_clip)  # scaled by kappa in place
+            clip.append(float(clip_coefficient(norm, options.grad_clip)))
+            updates.append(diagnostic.step.linear(diagnostic.flat(by_name)))
+        factors = matching_factors(updates, options.rms_match)
+        difference = [fa * ua - fb * ub for fa, ua, fb, ub in zip(factors[0], updates[0], factors[1], updates[1])]
+        del updates
+        # linear_benefit from e_s itself (the sequences are scored with w_s = J^T e_s).
+        linear_benefit = [_dot(e, difference) for e in self._eval_gradients]
+        del difference
+
+        attribution = torch.zeros(examples, len(options.serving_depths), dtype=torch.float64)  # [example, S]
+        for k, depth in enumerate(options.update_depths):
+            weight = clip[k] * (1.0 if k == 0 else -1.0)
+            for i, gradient in enumerate(row_gradients(diagnostic, rows, depth, count)):
+                if i >= len(batch):
+                    diagnostic.step.refuse_where_not_linear(gradient)
+                for factor, w, g in zip(factors[k], self._directions, gradient):
+                    attribution[i] += (weight * factor) * (w @ g.flatten().double())
+                bar.update()
+        bar.close()
+        unit = diagnostic.compare(batch)
+        default = diagnostic.with_isolation("counterfactual")
+        default.eval_groups = []  # only its benefit is read: no group passes
+        counterfactual = default.compare(batch)["benefit"]
+        attribution = attribution.cpu().numpy()
+        return unit.assign(
+            attribution=(("example", "serving_depth"), attribution),
+            linear_benefit=(("serving_depth",), np.array(linear_benefit)),
+            benefit_counterfactual=counterfactual,
+            clip_coefficient=(("update_depth",), np.array(clip)),
+            example_tokens=(("example", "token"), torch.cat(rows).cpu().numpy()),
+        ).assign_coords(example=np.arange(examples), in_batch=("example", np.arange(examples) < len(batch)))
 
 
 def _dot(a: Sequence[Tensor], b: Sequence[Tensor]) -> float:

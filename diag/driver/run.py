@@ -46,7 +46,7 @@ from common.errors import InputError
 from common.lock import exclusive_output
 from common.outputs import refuse_inputs, refuse_unrecognized
 from common.progress import progress_bar
-from diag.arithmetic.attribution import attribute_unit
+from diag.arithmetic.attribution import SequenceAttribution
 from diag.arithmetic.model_checks import bias_correction_message
 from diag.driver.parts import assemble_results, diverged_error, non_finite, part_path, prepare_parts, run_manifest
 from diag.driver.ranks import diagnose_across_ranks
@@ -66,6 +66,7 @@ def _run_units(config: DiagnoseConfig, entries: list[Entry], parts: Path, device
                 continue
             diagnostic, adapted = open_entry(config, entry, device)
             pool = pool_sequences(entry, config.pool) if config.pool else None
+            attribution = None  # its e_s are computed once per snapshot
             warning = bias_correction_message(adapted.optimizer)
             if warning:
                 bar.write(f"warning: {entry.path}: {warning}")
@@ -73,7 +74,11 @@ def _run_units(config: DiagnoseConfig, entries: list[Entry], parts: Path, device
                 batch = adapted.batches[i]
                 bar.set_postfix_str(f"{entry.name} batch {i}")
                 try:
-                    unit = attribute_unit(diagnostic, batch, pool) if config.attribute else diagnostic.compare(batch)
+                    if config.attribute:
+                        attribution = attribution or SequenceAttribution(diagnostic)
+                        unit = attribution.unit(batch, pool)
+                    else:
+                        unit = diagnostic.compare(batch)
                 except InputError as err:  # a unit's problem (e.g. isolate='linear' refused): name its file
                     raise InputError(f"{entry.path}, batch {i}: {err}") from None
                 problem = non_finite(unit)
@@ -81,7 +86,7 @@ def _run_units(config: DiagnoseConfig, entries: list[Entry], parts: Path, device
                     raise diverged_error(entries, entry, i, problem, parts)
                 write_dataset(unit.expand_dims(snapshot=[entry.name], batch=[i]), part_path(parts, entry.name, i))
                 bar.update(1)
-            del diagnostic, adapted  # one model in memory at a time
+            del diagnostic, adapted, attribution  # one model in memory at a time
 
 
 def _device(config: DiagnoseConfig, entries: list[Entry]) -> torch.device:
