@@ -9,12 +9,14 @@
 #
 #   bash bench/gpu_check.sh [OUT_DIR]
 #   DEVICE=cpu UPDATES=24 D_MODEL=64 bash bench/gpu_check.sh   # the same steps, small, on the CPU
+#   PRECISION=fp32 ...   # on a CPU without bf16 units, where bf16 is emulated and far slower
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DEVICE=${DEVICE:-cuda}
 UPDATES=${UPDATES:-300}
 D_MODEL=${D_MODEL:-512}
+PRECISION=${PRECISION:-bf16}
 OUT=${1:-/tmp/depthdiag-gpu-check}
 DEPTHDIAG=${DEPTHDIAG:-.venv/bin/depthdiag}
 PY=${PY:-.venv/bin/python}
@@ -31,14 +33,14 @@ EOF
 SETTINGS=(
   --set model.d_model="$D_MODEL" --set model.n_heads=8 --set model.n_prelude=2 --set model.n_core=4
   --set model.n_coda=2 --set model.max_seq_len=128 --set train.seq_len=128 --set train.batch_size=64
-  --set train.updates="$UPDATES" --set train.precision=bf16 --set train.device="$DEVICE"
+  --set train.updates="$UPDATES" --set train.precision="$PRECISION" --set train.device="$DEVICE"
   --set 'train.schedule="fixed-first:k0=4,switch=0.5,finish=uniform:1-16"'
   --set 'train.snapshot_uniform_updates=[0, 4]' --set train.snapshot_batches=4
   --set train.checkpoint_every=$((UPDATES / 2)) --set optim.warmup=$((UPDATES / 10))
   --set data.bios_people=2000
 )
 
-echo "== train: $UPDATES bf16 updates on $DEVICE"
+echo "== train: $UPDATES $PRECISION updates on $DEVICE"
 time "$DEPTHDIAG" train configs/tiny.toml --out "$OUT/run" --no-progress "${SETTINGS[@]}"
 "$PY" - "$OUT/run/metrics.jsonl" <<'EOF'
 import json, sys
@@ -48,7 +50,7 @@ print(f"loss {first['loss']:.3f} -> {last['loss']:.3f}; {last['flops'] / last['w
 assert last["loss"] < first["loss"], "training did not reduce the loss"
 EOF
 
-echo "== throughput: the compiled paper-200m-shaped model in bf16 (tiny on the CPU), bioS tokens"
+echo "== throughput: the compiled paper-200m-shaped model in $PRECISION (tiny on the CPU), bioS tokens"
 if [ "$DEVICE" = cuda ]; then
   THROUGHPUT=(--config configs/paper-200m.toml --set 'data.source="bios"' --set train.batch_size=16
               --set train.seq_len=2048 --updates 10)
@@ -56,7 +58,7 @@ else
   THROUGHPUT=(--config configs/tiny.toml --set train.batch_size=8 --updates 4)
 fi
 "$PY" bench/bench_train.py --achieved-only "${THROUGHPUT[@]}" --set train.compile=true \
-  --set train.precision=bf16 --set train.device="$DEVICE"
+  --set train.precision="$PRECISION" --set train.device="$DEVICE"
 
 echo "== resume: the second half again from the middle checkpoint"
 mkdir -p "$OUT/resumed/checkpoints"
@@ -81,7 +83,7 @@ echo "== diagnose on $DEVICE"
 time "$DEPTHDIAG" diagnose "$OUT"/run/snapshots/*.pt --out "$OUT/results.h5" --batches 4 \
   --device "$DEVICE" --no-progress
 "$DEPTHDIAG" summarize "$OUT/results.h5"
-echo "== FSDP2 at one $DEVICE: sharded bf16 training, then the sharded diagnostic against the unsharded"
-"$PY" bench/gpu_fsdp_check.py --device "$DEVICE" --updates "$((UPDATES < 200 ? UPDATES : 200))" --d-model "$D_MODEL"
+echo "== FSDP2 at one $DEVICE: sharded $PRECISION training, then the sharded diagnostic against the unsharded"
+"$PY" bench/gpu_fsdp_check.py --device "$DEVICE" --updates "$((UPDATES < 200 ? UPDATES : 200))" --d-model "$D_MODEL" --precision "$PRECISION"
 
 echo "gpu check: all steps ran"

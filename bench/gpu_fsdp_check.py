@@ -1,7 +1,7 @@
 """FSDP2 at one device, for bench/gpu_check.sh: a process group of one rank (nccl on CUDA,
-gloo on the CPU), the model sharded as `train.parallel=fsdp` shards it, UPDATES bf16
-training updates through the loop's own TrainStep (FSDP2's bf16 policy for the blocks),
-then the sharded diagnostic of the trained state against the unsharded diagnostic of the
+gloo on the CPU), the model sharded as `train.parallel=fsdp` shards it, UPDATES training
+updates in --precision (bf16: FSDP2's bf16 policy for the blocks) through the loop's own
+TrainStep, then the sharded diagnostic of the trained state against the unsharded diagnostic of the
 same state gathered whole. Prints what it measures; exits non-zero when the loss does not
 fall or the two diagnostics differ by more than 1e-5.
 
@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--updates", type=int, default=200)
     parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     args = parser.parse_args()
     device = torch.device(args.device)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -48,8 +49,8 @@ def main() -> None:
         vocab_size=4096, max_seq_len=128, d_model=args.d_model, n_heads=8, n_prelude=2, n_core=4, n_coda=2
     )
     torch.manual_seed(0)
-    model = shard_model(LoopedTransformer(config).to(device), world, "bf16")
-    step = TrainStep(model, build_optimizer(model, OptimConfig(lr=1e-3)), precision="bf16", grad_clip=1.0)
+    model = shard_model(LoopedTransformer(config).to(device), world, args.precision)
+    step = TrainStep(model, build_optimizer(model, OptimConfig(lr=1e-3)), precision=args.precision, grad_clip=1.0)
     # A fixed stream of token rows with structure to learn: each row repeats a short random phrase.
     gen = torch.Generator().manual_seed(1)
     phrases = torch.randint(0, config.vocab_size, (256, 16), generator=gen)
@@ -65,7 +66,10 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - began
-    print(f"fsdp2 bf16 training, {args.updates} updates: loss {losses[0]:.3f} -> {losses[-1]:.3f}, {seconds:.1f} s")
+    print(
+        f"fsdp2 {args.precision} training, {args.updates} updates: "
+        f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, {seconds:.1f} s"
+    )
     assert losses[-1] < losses[0], "FSDP2 training did not reduce the loss"
 
     # The trained state, gathered whole, then sharded again with fp32 weights gathered, as
