@@ -89,6 +89,10 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
     "example_tokens": ("token ids of the attributed training sequence", "1"),
     "example": ("attributed training sequence: the batch's rows, then the pool's", "1"),
     "in_batch": ("whether the sequence is a row of the unit's batch (else of the pool)", "1"),
+    "removal_benefit": ("the unit's benefit under isolate counterfactual with the removal's rows taken out", "nats"),
+    "removed_rows": ("rows of the unit's batch the removal took out", "1"),
+    "removal": ("the batch's rows ranked highest (top), lowest (bottom) or at random, removed", "1"),
+    "removed": ("one of the removal's rows", "1"),
 }
 """name -> (long_name, units) of every variable and coordinate a results file may hold; the
 monitor file (analysis/monitor.py) shares the entries of the variables both hold."""

@@ -123,3 +123,70 @@ def test_summarize_renders_sequences_as_the_run_tokenized_them(tmp_path):
     assert _token_decoder(text.to_json(), tmp_path / "a.h5")([104, 105, 10]) == "'hi\\n'"  # UTF-8 bytes
     assert _token_decoder(bios.to_json(), tmp_path / "a.h5")([0, 5]) == "[SEP] [major]"
     assert _token_decoder(None, tmp_path / "a.h5")([3, 4]) == "3 4"  # no run config: the ids
+
+
+def test_the_removal_check_reruns_the_diagnostic_without_each_quarter(sgd_run, tmp_path):
+    out = tmp_path / "r.h5"
+    code, stdout, stderr = run_cli("attribute", sgd_run[4], *ARGS, "--removal-depth", 3, "--out", out)
+    assert code == 0, stderr
+    with xr.open_dataset(out, engine="h5netcdf") as ds:
+        ds = ds.load()
+    assert ds.attrs["removal_depth"] == 3 and ds["removal"].values.tolist() == ["top", "bottom", "random"]
+    assert all({"long_name", "units"} <= set(ds[name].attrs) for name in ds.variables)
+    snap = load_snapshot(sgd_run[4])
+    source = build_source(snap.config.data)
+    eval_tokens, eval_mask = source.attribute_eval(snap.config.data.eval_sequences, snap.config.train.seq_len)
+    quarter = round(BATCH / 4)
+    for b in range(2):
+        unit = ds.sel(snapshot="snap-u02", batch=b)
+        scores = unit["attribution"].sel(serving_depth=3).values[:BATCH]
+        removed = unit["removed_rows"].values
+        assert sorted(removed[0]) == sorted(np.argsort(scores)[-quarter:].tolist())  # the highest
+        assert sorted(removed[1]) == sorted(np.argsort(scores)[:quarter].tolist())  # the lowest
+        assert len(set(removed[2])) == quarter
+        for r, rows in enumerate(removed):
+            model = snap.model("cpu")
+            kept = snap.batches[b][np.setdiff1d(np.arange(BATCH), rows)]
+            expected = diag.compare_updates(
+                model,
+                snap.optimizer(model),
+                kept,
+                eval_tokens,
+                update_depths=(2, 5),
+                serving_depths=(1, 2, 3),
+                grad_clip=snap.config.optim.grad_clip,
+                eval_mask=eval_mask,
+                lr=float(snap.lr),
+            )
+            np.testing.assert_allclose(
+                unit["removal_benefit"].isel(removal=r).values, expected["benefit"].values, rtol=1e-6, atol=1e-9
+            )
+    code, stdout, stderr = run_cli("summarize", out)
+    assert code == 0, stderr
+    assert "removal check at serving depth 3" in stdout and "random - top" in stdout
+    top = ds["removal_benefit"].sel(removal="top", serving_depth=3)
+    random = ds["removal_benefit"].sel(removal="random", serving_depth=3)
+    code, stdout, stderr = run_cli("summarize", out, "--json")
+    check = json.loads(stdout)["removal_check"][0]
+    assert check["random_minus_top"]["mean"] == pytest.approx(float((random - top).isel(snapshot=0).mean()))
+    assert check["n"] == 2 and check["unit"] == "batch"
+    reach = {(r["snapshot"], r["serving_depth"]): r for r in json.loads(stdout)["first_order"]}
+    linear = float(ds["linear_benefit"].sel(snapshot="snap-u02", serving_depth=2).mean())
+    default = float(ds["benefit_counterfactual"].sel(snapshot="snap-u02", serving_depth=2).mean())
+    assert reach["snap-u02", 2]["ratio_counterfactual"] == pytest.approx(linear / default)
+
+    # Several seeds: the interval over the seeds' means over batches.
+    from analysis.attribution import removal_intervals
+    from analysis.stats import t_interval
+
+    shifted = ds.assign(removal_benefit=ds["removal_benefit"] + 1e-3 * ds["removal_benefit"].sum("removal"))
+    seeds = xr.concat([ds, shifted.assign_coords(seed=4)], dim="seed")
+    intervals = removal_intervals(seeds).sel(snapshot="snap-u02")
+    per_seed = (seeds["removal_benefit"].sel(removal="random") - seeds["removal_benefit"].sel(removal="top")).sel(
+        snapshot="snap-u02", serving_depth=3
+    )
+    mean, lower, upper, n = t_interval(per_seed.mean("batch").values)
+    assert (int(intervals["n"]), float(intervals["random_minus_top_lower"])) == (n, pytest.approx(lower))
+    assert float(intervals["random_minus_top_upper"]) == pytest.approx(upper)
+    code, _, stderr = run_cli("attribute", sgd_run[4], *ARGS, "--removal-depth", 4, "--out", tmp_path / "x.h5")
+    assert code == 2 and "--removal-depth 4" in stderr

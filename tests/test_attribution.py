@@ -357,3 +357,15 @@ class Wrapped(torch.nn.Module):
 
     def forward(self, input_ids, depth):
         return self.inner(input_ids, depth=depth)
+
+
+def test_removed_rows_take_a_quarter_and_leave_a_row():
+    from diag.arithmetic.attribution import removed_rows
+
+    rng = np.random.default_rng(0)
+    rows = removed_rows(np.array([0.3, -1.0, 2.0, 0.3, 5.0, -2.0, 0.0, 1.0]), rng)
+    assert rows[0].tolist() == [4, 2] and rows[1].tolist() == [5, 1]  # highest first, lowest first
+    assert len(set(rows[2].tolist())) == 2
+    assert removed_rows(np.array([1.0, 2.0]), rng)[:2].tolist() == [[1], [0]]
+    with pytest.raises(InputError, match="at least two sequences"):
+        removed_rows(np.array([1.0]), rng)

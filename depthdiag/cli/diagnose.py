@@ -148,6 +148,7 @@ def diagnose(
     family: str | None,
     attribute: bool = False,
     pool: int = 0,
+    removal_depth: int | None = None,
 ) -> None:
     """Compare single updates at several depths from each SNAPSHOT (snapshot or checkpoint
     files of one run, or snapshot folders any training loop wrote with diag.save_snapshot;
@@ -200,6 +201,7 @@ def diagnose(
         family=family,
         attribute=attribute,
         pool=pool,
+        removal_depth=removal_depth,
     )
     written = run_diagnose(config)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 wrote it
@@ -222,6 +224,15 @@ attribute = click.Command(
             show_default=True,
             help="Also score N training sequences of the run's own stream, right after the diagnosed batches, "
             "against each unit's update (snapshot and checkpoint files).",
+        ),
+        click.Option(
+            ["--removal-depth"],
+            type=click.IntRange(min=1),
+            default=None,
+            metavar="S",
+            help="Also check the ranking at serving depth S against the diagnostic itself: each unit's benefit "
+            "(default isolation) with the quarter of its batch ranked highest at S removed, the lowest quarter, and "
+            "a random quarter (three more units per batch); summarize prints the paired differences.",
         ),
     ],
     help="""Attribute each unit's benefit (isolate='linear') to the training sequences of its batch,

@@ -190,22 +190,47 @@ def summarize(
     extremes = _attribution_extremes(ds, results[0])
     if as_json:
         document = summary_document(results, rows, phase, options, warnings, per_seed=per_seed, machines=machines)
-        if extremes is not None:
-            document["attribution_extremes"] = extremes[0]
+        document.update(_attribution_document(ds, extremes, options))
         click.echo(json_text(document))
     else:
         click.echo(summary_text(rows, phase, options, machines))
-        if extremes is not None:
-            click.echo(extremes[1])
+        for text in _attribution_texts(ds, extremes, options):
+            click.echo(text)
+
+
+def _attribution_document(ds, extremes, options: IntervalOptions) -> dict:
+    """An attribution file's entries in summarize --json: the top and bottom sequences, how far
+    the first order reaches, the removal check."""
+    from analysis import attribution
+
+    document = {}
+    if extremes is not None:
+        document["attribution_extremes"] = extremes[0]
+    if "linear_benefit" in ds:
+        document["first_order"] = attribution.first_order_rows(attribution.first_order_reach(ds))
+    if "removal_benefit" in ds:
+        document["removal_check"] = attribution.removal_rows(attribution.removal_intervals(ds, options=options))
+    return document
+
+
+def _attribution_texts(ds, extremes, options: IntervalOptions) -> list[str]:
+    """The same, printed."""
+    from analysis import attribution
+
+    texts = [] if extremes is None else [extremes[1]]
+    if "linear_benefit" in ds:
+        texts.append(attribution.first_order_text(attribution.first_order_reach(ds)))
+    if "removal_benefit" in ds:
+        texts.append(attribution.removal_text(attribution.removal_intervals(ds, options=options)))
+    return texts
 
 
 def _attribution_extremes(ds, results: Path) -> tuple[list[dict], str] | None:
     """A `depthdiag attribute` file's top and bottom sequences (rows, text), decoded by the run's
-    data source where it can render tokens (bioS); None for a file without attributions."""
-    if "attribution" not in ds:
+    data source where it can render tokens (bioS); None for a file without attributions and
+    for several files (seeds) at once."""
+    if "attribution" not in ds or "seed" in ds.dims:  # several seeds: listed file by file
         return None
-    if "seed" in ds.dims:
-        raise InputError(f"{results}: the top and bottom sequences are listed for one attribution file at a time")
     from analysis.attribution import extreme_sequences, extremes_text
 
     rows = extreme_sequences(ds)

@@ -13,6 +13,9 @@ For update depths (a, b), one batch of B sequences and weights theta with optimi
     linear_benefit(s) = e_s . (c_a u_a - c_b u_b)             = sum over the batch's rows
 
 so a positive attribution says that sequence i pushes the deep update ahead at serving depth s.
+The removal check tests the ranking against the diagnostic itself: the unit's benefit (default
+isolation, nothing held fixed) with the quarter of the batch ranked highest at one serving depth
+removed, the lowest quarter, and a random quarter.
 The steps this applies to (Adam, AdamW, SGD) act element by element: J is diagonal, so
 e_s . J x = (J e_s) . x, and one w_s = J e_s per serving depth scores every sequence with one
 dot product per sequence and depth. Sequences of a pool beyond the batch are scored against the
@@ -47,8 +50,29 @@ ATTRIBUTION_VARIABLES = (
     "benefit_counterfactual",
     "clip_coefficient",
     "example_tokens",
+    "removal_benefit",
+    "removed_rows",
 )
-"""The variables `SequenceAttribution.unit` adds to a unit."""
+"""The variables `SequenceAttribution.unit` adds to a unit (the last two with a removal depth)."""
+
+REMOVALS = ("top", "bottom", "random")
+"""The removal check's subsets of a batch: its rows ranked highest, lowest, and at random."""
+
+REMOVAL_FRACTION = 0.25
+"""The share of a batch's rows each removal takes out."""
+
+
+def removed_rows(scores: np.ndarray, rng: np.random.Generator, fraction: float = REMOVAL_FRACTION) -> np.ndarray:
+    """The rows of a batch the removal check takes out, one row per REMOVALS entry [3, m]: the m
+    = round(fraction * B) highest `scores` [B], the m lowest (ties by row order), m drawn by
+    `rng` without replacement. At least one row stays."""
+    count = len(scores)
+    m = min(max(1, round(fraction * count)), count - 1)
+    if m < 1:
+        raise InputError(f"the removal check needs a batch of at least two sequences, got {count}")
+    highest = np.argsort(-scores, kind="stable")[:m]
+    lowest = np.argsort(scores, kind="stable")[:m]
+    return np.stack([highest, lowest, np.sort(rng.choice(count, size=m, replace=False))])
 
 
 def attribute_benefit(
@@ -128,13 +152,26 @@ class SequenceAttribution:
             torch.stack([w[t].flatten().double() for w in directions]) for t in range(len(directions[0]))
         ]
 
-    def unit(self, batch: Tensor, pool: Tensor | None = None, *, progress: bool = False) -> xr.Dataset:
+    def unit(
+        self,
+        batch: Tensor,
+        pool: Tensor | None = None,
+        *,
+        removal_depth: int | None = None,
+        removal_seed: int = 0,
+        progress: bool = False,
+    ) -> xr.Dataset:
         """The unit on `batch` and the attribution of its benefit to the rows of `batch` and
         `pool`: the unit's own variables and `attribution(example, serving_depth)`,
         `linear_benefit(serving_depth)`, `benefit_counterfactual(serving_depth)` (the unit's
         benefit under the default isolation, one more unit: how far the first order reaches),
         `clip_coefficient(update_depth)`, `example_tokens(example, token)` and the coordinate
-        `in_batch(example)` (see `attribute_benefit`)."""
+        `in_batch(example)` (see `attribute_benefit`).
+
+        With `removal_depth` (a serving depth), three more default units: `removal_benefit(removal,
+        serving_depth)`, the benefit with the batch's `removed_rows(removal, removed)` taken out
+        (REMOVALS: ranked highest and lowest by attribution at that depth, random by
+        `removal_seed`)."""
         diagnostic, options = self.diagnostic, self.diagnostic.options
         batch = diagnostic.check_batch(batch)
         rows = [batch] if pool is None else [batch, diagnostic.check_batch(pool, "pool")]
@@ -173,6 +210,19 @@ class SequenceAttribution:
         default.eval_groups = []  # only its benefit is read: no group passes
         counterfactual = default.compare(batch)["benefit"]
         attribution = attribution.cpu().numpy()
+        if removal_depth is not None:
+            if removal_depth not in options.serving_depths:
+                raise InputError(f"removal depth {removal_depth} is not one of the serving depths")
+            column = list(options.serving_depths).index(removal_depth)
+            removed = removed_rows(attribution[: len(batch), column], np.random.default_rng(removal_seed))
+            kept = [np.setdiff1d(np.arange(len(batch)), rows) for rows in removed]
+            unit = unit.assign(
+                removal_benefit=(
+                    ("removal", "serving_depth"),
+                    np.stack([default.compare(batch[torch.as_tensor(k)])["benefit"].values for k in kept]),
+                ),
+                removed_rows=(("removal", "removed"), removed.astype(np.int64)),
+            ).assign_coords(removal=list(REMOVALS))
         return unit.assign(
             attribution=(("example", "serving_depth"), attribution),
             linear_benefit=(("serving_depth",), np.array(linear_benefit)),

@@ -28,7 +28,7 @@ from trainer.scoring import group_sums, token_nll_by_depth
 RESERVED_NAMES = frozenset(
     {
         *("update_depth", "serving_depth", "snapshot", "batch", "seed", "example", "token", "in_batch"),
-        *("uniform_updates", "step", "lr", "machine", "trained_on", "unit"),
+        *("uniform_updates", "step", "lr", "machine", "trained_on", "unit", "removal", "removed"),
     }
 )
 """Names in a results file (dimensions, coordinates) a grouping's name must not take."""

@@ -67,6 +67,8 @@ def run_manifest(config: DiagnoseConfig, entries: list[Entry], device: torch.dev
         settings["groupings"] = list(config.groupings)
     if config.attribute:
         settings.update(attribute=True, pool=config.pool)
+    if config.removal_depth is not None:
+        settings["removal_depth"] = config.removal_depth
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
     if config.sharded:
         settings["sharded_over"] = world_size
@@ -320,6 +322,7 @@ def assemble_results(config: DiagnoseConfig, entries: list[Entry], manifest: dic
         # 1 when the model's forward draws random numbers (every forward then ran from one fixed
         # stream, diag/arithmetic/engine.py CRN_SEED); units of runs from before the check count as 0.
         "random_forward": int(unit_attrs.get("random_forward", 0)),
+        **({"removal_depth": int(config.removal_depth)} if config.removal_depth is not None else {}),
         **provenance(),
         # The machine of the units' kernels; what trained the snapshots, where they record it.
         "machine": manifest["machine"],

@@ -76,7 +76,7 @@ def _run_units(config: DiagnoseConfig, entries: list[Entry], parts: Path, device
                 try:
                     if config.attribute:
                         attribution = attribution or SequenceAttribution(diagnostic)
-                        unit = attribution.unit(batch, pool)
+                        unit = attribution.unit(batch, pool, removal_depth=config.removal_depth, removal_seed=i)
                     else:
                         unit = diagnostic.compare(batch)
                 except InputError as err:  # a unit's problem (e.g. isolate='linear' refused): name its file

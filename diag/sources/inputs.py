@@ -58,6 +58,10 @@ class DiagnoseConfig:
     pool: int = 0
     """Sequences of the run's own stream, after the diagnosed batches, scored against each unit's
     update besides its batch's (snapshot and checkpoint files only)."""
+    removal_depth: int | None = None
+    """With attribution: also the removal check at this serving depth, the benefit with the
+    quarter of each batch ranked highest there removed, the lowest and a random quarter (three
+    more default units per batch; diag/arithmetic/attribution.py)."""
     device: str = "auto"
     """'auto' (cuda when available), 'cpu' or 'cuda'."""
     resume: bool = False
@@ -135,6 +139,11 @@ class DiagnoseConfig:
             raise InputError(f"--pool must be >= 0 and is for attribution, got {self.pool}")
         if self.pool and (self.adapter is not None or self.hf is not None):
             raise InputError("--pool draws from a run's own stream: snapshot or checkpoint files only")
+        if self.removal_depth is not None and (not self.attribute or self.removal_depth not in self.serving_depths):
+            raise InputError(
+                f"--removal-depth {self.removal_depth}: is for attribution, at one of the serving depths "
+                f"{list(self.serving_depths)}"
+            )
         if self.attribute and self.sharded:
             raise InputError("attribution: not with --sharded yet")
         if self.groupings and self.sharded:
