@@ -249,11 +249,13 @@ def write_run(directory: Path, config=None):
         model.adapter.weight.normal_(0, 0.3)  # let the depth matter from the start
     optimizer = build_optimizer(model, config.optim)
     source = build_source(config.data)
-    eval_tokens = source.eval_tokens(config.data.eval_sequences, SEQ)
+    eval_tokens = source.eval_tokens(config.data.eval_sequences, config.train.seq_len)
     paths = {}
     for step in range(5):
         if step in (2, 4):
-            batches = torch.stack([source.batch(config.train.seed, step + i, BATCH, SEQ) for i in range(CARRIED)])
+            batches = torch.stack(
+                [source.batch(config.train.seed, step + i, BATCH, config.train.seq_len) for i in range(CARRIED)]
+            )
             paths[step] = save_snapshot(
                 directory / f"snap-u{step - 2:02d}.pt",
                 config=config,
@@ -266,7 +268,7 @@ def write_run(directory: Path, config=None):
                 eval_tokens=eval_tokens,
                 trained_on=(TRAINING_MACHINE,),
             )
-        batch = source.batch(config.train.seed, step, BATCH, SEQ)
+        batch = source.batch(config.train.seed, step, BATCH, config.train.seq_len)
         logits = model(batch[:, :-1], depth=2 + step % 3)
         F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

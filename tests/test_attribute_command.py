@@ -190,3 +190,42 @@ def test_the_removal_check_reruns_the_diagnostic_without_each_quarter(sgd_run, t
     assert float(intervals["random_minus_top_upper"]) == pytest.approx(upper)
     code, _, stderr = run_cli("attribute", sgd_run[4], *ARGS, "--removal-depth", 4, "--out", tmp_path / "x.h5")
     assert code == 2 and "--removal-depth 4" in stderr
+
+
+def test_planted_runs_get_the_aurocs_of_their_attributions(sgd_run, tmp_path):
+    """A run with planted sequences: summarize and plot --figure planted rank its batch rows'
+    attributions against the rows that hold a planted answer, which the labels find in the tokens."""
+    from analysis.attribution import auroc
+
+    config = run_config()
+    length = 2 * build_source(config.data).spec.bio_length - 1  # rows of two whole slots
+    config = replace(
+        config,
+        model=replace(config.model, max_seq_len=length),
+        optim=replace(config.optim, name="sgd"),
+        train=replace(config.train, seq_len=length),
+        data=replace(config.data, planted_fraction=0.2),
+    )
+    run = write_run(tmp_path / "run", config)
+    out = tmp_path / "p.h5"
+    code, _, stderr = run_cli("attribute", run[2], *ARGS, "--out", out)
+    assert code == 0, stderr
+    code, stdout, stderr = run_cli("summarize", out)
+    assert code == 0 and "attribution ranking planted sequences above the rest" in stdout, stderr
+    with xr.open_dataset(out, engine="h5netcdf") as ds:
+        ds = ds.load()
+    source = build_source(config.data)
+    tokens = ds["example_tokens"].sel(snapshot="snap-u00").values  # [batch, example, token]
+    # A row is planted when a [hops h] token stands two before one of its targets.
+    labels = np.array([[any(source.chain_token < t < source.vocab_size for t in r[:-2]) for r in b] for b in tokens])
+    assert 0 < labels.sum() < labels.size
+    scores = ds["attribution"].sel(snapshot="snap-u00", serving_depth=3).values
+    code, stdout, _ = run_cli("summarize", out, "--json")
+    rows = {(r["snapshot"], r["serving_depth"]): r for r in json.loads(stdout)["planted_auroc"]}
+    assert rows["snap-u00", 3]["auroc"] == pytest.approx(auroc(scores.ravel(), labels.ravel()))
+    assert rows["snap-u00", 3]["positives"] == labels.sum() and 0 <= rows["snap-u00", 3]["shuffled"] <= 1
+    code, _, stderr = run_cli("plot", out, "--figure", "planted", "--out", tmp_path / "p.png")
+    assert code == 0 and (tmp_path / "p.png").is_file(), stderr
+    code, _, stderr = run_cli("attribute", sgd_run[2], *ARGS, "--out", tmp_path / "plain.h5")
+    code, _, stderr = run_cli("plot", tmp_path / "plain.h5", "--figure", "planted", "--out", tmp_path / "q.png")
+    assert code == 2 and "data.planted_fraction" in stderr

@@ -327,3 +327,50 @@ def test_nll_of_a_model_without_a_one_pass_readout_is_the_looped_models_own():
         torch.testing.assert_close(got, moved.nll_by_depth(x, y, depths), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(nll_by_depth(model, x, y, depths, state=lambda: other), got, rtol=1e-6, atol=1e-6)
     assert (got - expected).abs().min() > 1e-3
+
+
+# --- planted hop sequences ----------------------------------------------------------------------
+
+
+def _follow(sequence: list[int], source: BiosSource) -> int:
+    """A planted sequence's answer worked out from its own listed pairs: h lookups from the start."""
+    pairs = sequence[-2 * source.planted_pairs - 3 : -3]
+    successor = dict(zip(pairs[0::2], pairs[1::2]))
+    at = sequence[-2]
+    for _ in range(sequence[-3] - source.chain_token):
+        at = successor[at]
+    return at
+
+
+def test_planted_sequences_are_hop_lookups_at_the_configured_share():
+    planted = BiosSource.generate(500, 0, planted_fraction=0.2)
+    plain = BiosSource.generate(500, 0)
+    length = planted.spec.bio_length
+    batch = planted.batch(0, 3, 256, 4 * length - 1)  # four whole slots per row
+    slots = batch.reshape(-1, length).numpy()
+    is_planted = slots[:, 1] == planted.chain_token
+    assert abs(is_planted.mean() - 0.2) < 0.03
+    for sequence in slots[is_planted].tolist():
+        assert sequence[0] == SEP and sequence[-1] == _follow(sequence, planted)
+        listed = sequence[-2 * planted.planted_pairs - 3 : -3]
+        assert sorted(listed[0::2]) == sorted(listed[1::2])  # a permutation of distinct values
+        assert len(set(listed[0::2])) == planted.planted_pairs
+    # The other slots are the bios an unplanted stream has there.
+    unplanted = plain.batch(0, 3, 256, 4 * length - 1).reshape(-1, length).numpy()
+    np.testing.assert_array_equal(slots[~is_planted], unplanted[~is_planted])
+    hops = slots[is_planted][:, -3] - planted.chain_token
+    assert set(hops.tolist()) == {1, 2, 3, 4}
+    answers = planted.planted_answers(batch.numpy())
+    assert answers.sum() == is_planted.sum() and (batch.numpy()[answers] >= planted.spec.first_value_token).all()
+
+
+def test_planted_answers_are_the_planted_group_of_the_evaluation_set():
+    source = BiosSource.generate(500, 0, planted_fraction=0.2)
+    tokens, owners = source.attribute_owners(64, 64)
+    answers = torch.from_numpy(source.planted_answers(tokens.numpy()))
+    assert answers.any() and torch.equal(owners == len(ATTRIBUTES), answers)
+    assert source.owner_labels == (*ATTRIBUTES, "planted") and source.vocab_size == 200
+    assert source.describe([source.chain_token, source.chain_token + 3]) == "[chain] [hops 3]"
+    with pytest.raises(InputError, match="planted_fraction"):
+        load_config("configs/tiny.toml").with_overrides(["data.planted_fraction=1.0"])
+    assert "planted_fraction" not in load_config("configs/tiny.toml").to_dict()["data"]

@@ -50,6 +50,9 @@ class DataConfig:
     """Seed of the data itself (the bioS population); batches also depend on train.seed and the step."""
     eval_sequences: int = 64
     """Held-out evaluation sequences carried by snapshots and used by `depthdiag eval`."""
+    planted_fraction: float = 0.0
+    """bioS: the share of bio slots, in training and evaluation streams alike, that hold a
+    planted multi-hop lookup instead (trainer/data/bios.py, docs/data.md); 0: none."""
 
     def __post_init__(self) -> None:
         if self.source not in ("bios", "bin", "text"):
@@ -62,6 +65,8 @@ class DataConfig:
             raise InputError("data.bios_people and data.eval_sequences must be >= 1")
         if self.seed < 0:
             raise InputError(f"data.seed must be >= 0 (numpy seeds are non-negative), got {self.seed}")
+        if not 0 <= self.planted_fraction < 1 or (self.planted_fraction and self.source != "bios"):
+            raise InputError(f"data.planted_fraction must be in [0, 1) and is for bioS, got {self.planted_fraction}")
 
 
 @dataclass(frozen=True)
@@ -260,9 +265,9 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 OPTIONAL_SECTIONS = ("monitor", "logging")
 """Sections left out of `RunConfig.to_dict` while they equal their defaults."""
-OPTIONAL_KEYS = {"train": ("eval_every", "eval_depths", "parallel")}
-"""Keys left out of `RunConfig.to_dict` while they equal their defaults: they only observe the
-training, and runs stored before they existed must compare equal to runs without them."""
+OPTIONAL_KEYS = {"train": ("eval_every", "eval_depths", "parallel"), "data": ("planted_fraction",)}
+"""Keys left out of `RunConfig.to_dict` while they equal their defaults: runs stored before
+they existed must compare equal to runs without them."""
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@
 - `monitor`: the in-training monitor's figure (RUN/monitor.h5);
 - `grid`: the grid figures 1, 2, 3-top, 5 and 8 (from `analysis.grid`'s seed bands);
 - `curves`: one run's training curves (RUN/metrics.jsonl, `analysis.training`);
+- `attribution`: how well the attribution finds planted training sequences (AUROC per seed);
 - `downstream`: downstream evaluation, Figure 3's bottom row (`analysis.downstream`'s bands);
 - `saving`: writing a figure (`save_figure`), apart from drawing it;
 - `shared`: the style, palette and helpers more than one family draws with.
@@ -20,6 +21,7 @@ Every plot function takes its data and `ax=None` and returns the axes it drew on
 import X` is the one import for any of them.
 """
 
+from analysis.figures.attribution import auroc_figure, plot_auroc
 from analysis.figures.benefit import figure4, plot_benefit_by_depth, plot_depth_averaged_benefit
 from analysis.figures.curves import curves_figure, plot_training_loss, plot_validation_nll, smoothing_window
 from analysis.figures.downstream import figure3_downstream, plot_downstream_accuracy
@@ -43,6 +45,7 @@ from analysis.figures.saving import check_figure, figure_paths, save_figure
 from analysis.figures.update_depth_map import plot_update_depth_map, update_depth_map_figure
 
 __all__ = [
+    "auroc_figure",
     "group_benefit_figure",
     "plot_group_benefit",
     "check_figure",
@@ -56,6 +59,7 @@ __all__ = [
     "figure8",
     "figure_paths",
     "monitor_figure",
+    "plot_auroc",
     "plot_benefit_by_depth",
     "plot_depth_averaged_benefit",
     "plot_downstream_accuracy",

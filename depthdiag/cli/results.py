@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -188,19 +189,20 @@ def summarize(
         return
     warnings = [warning for warning in warnings if warning is not None]
     extremes = _attribution_extremes(ds, results[0])
+    planted = _planted_labels(ds, results[0])
     if as_json:
         document = summary_document(results, rows, phase, options, warnings, per_seed=per_seed, machines=machines)
-        document.update(_attribution_document(ds, extremes, options))
+        document.update(_attribution_document(ds, extremes, planted, options))
         click.echo(json_text(document))
     else:
         click.echo(summary_text(rows, phase, options, machines))
-        for text in _attribution_texts(ds, extremes, options):
+        for text in _attribution_texts(ds, extremes, planted, options):
             click.echo(text)
 
 
-def _attribution_document(ds, extremes, options: IntervalOptions) -> dict:
+def _attribution_document(ds, extremes, planted, options: IntervalOptions) -> dict:
     """An attribution file's entries in summarize --json: the top and bottom sequences, how far
-    the first order reaches, the removal check."""
+    the first order reaches, the removal check, how well the attribution finds planted sequences."""
     from analysis import attribution
 
     document = {}
@@ -210,10 +212,13 @@ def _attribution_document(ds, extremes, options: IntervalOptions) -> dict:
         document["first_order"] = attribution.first_order_rows(attribution.first_order_reach(ds))
     if "removal_benefit" in ds:
         document["removal_check"] = attribution.removal_rows(attribution.removal_intervals(ds, options=options))
+    if planted is not None:
+        found = attribution.labelled_auroc(ds, planted)
+        document["planted_auroc"] = json.loads(found.to_dataframe().reset_index().to_json(orient="records"))
     return document
 
 
-def _attribution_texts(ds, extremes, options: IntervalOptions) -> list[str]:
+def _attribution_texts(ds, extremes, planted, options: IntervalOptions) -> list[str]:
     """The same, printed."""
     from analysis import attribution
 
@@ -222,7 +227,34 @@ def _attribution_texts(ds, extremes, options: IntervalOptions) -> list[str]:
         texts.append(attribution.first_order_text(attribution.first_order_reach(ds)))
     if "removal_benefit" in ds:
         texts.append(attribution.removal_text(attribution.removal_intervals(ds, options=options)))
+    if planted is not None:
+        texts.append(attribution.auroc_text(attribution.labelled_auroc(ds, planted), options=options))
     return texts
+
+
+def _planted_labels(ds, first: Path):
+    """Whether each attributed sequence holds a planted sequence's answer, over the dims of
+    `example_tokens` without `token`, for the attribution files of a bioS run with planted
+    sequences (data.planted_fraction); None for any other file. The run config is `first`'s
+    (files of several seeds share their data config)."""
+    import xarray as xr
+
+    from trainer.config import RunConfig
+    from trainer.data.sources import build_source
+
+    if "example_tokens" not in ds:
+        return None
+    with xr.open_dataset(first, engine="h5netcdf") as opened:
+        config_json = opened.attrs.get("config")
+    try:
+        config = RunConfig.from_json(config_json) if config_json else None
+    except InputError:  # an adapter's or a folder's config
+        return None
+    if config is None or config.data.source != "bios" or not config.data.planted_fraction:
+        return None
+    tokens = ds["example_tokens"]
+    answers = build_source(config.data).planted_answers(tokens.values)[..., 1:].any(-1)  # targets only
+    return xr.DataArray(answers, dims=tokens.dims[:-1], coords={d: tokens[d] for d in tokens.dims[:-1]})
 
 
 def _attribution_extremes(ds, results: Path) -> tuple[list[dict], str] | None:
@@ -264,13 +296,15 @@ def _token_decoder(config_json: str | None, results: Path):
 @click.option(
     "--figure",
     "figure_number",
-    type=click.Choice(["4", "map", "groups", "monitor", "curves", *GRID_FIGURES, DOWNSTREAM_FIGURE]),
+    type=click.Choice(["4", "map", "groups", "planted", "monitor", "curves", *GRID_FIGURES, DOWNSTREAM_FIGURE]),
     default="4",
     show_default=True,
     help="Which figure: the paper's Figure 4 (results files); map: which update depth helps which serving "
     "depth, at the switch and after 16 uniform updates (results files diagnosed with several update depths, "
     "e.g. --update-depths 4,1,2,8,16); groups: the benefit per group (--by GROUPING) and serving depth, at the "
-    "switch and after 16 uniform updates (results files diagnosed with --grouping); monitor: a run's monitor "
+    "switch and after 16 uniform updates (results files diagnosed with --grouping); planted: how well the "
+    "attribution ranks planted sequences above the rest, AUROC by serving depth per seed (depthdiag attribute "
+    "files of a run with data.planted_fraction); monitor: a run's monitor "
     "file (RUN/monitor.h5); curves: a run "
     "directory's training loss (raw and smoothed) and validation NLL per serving depth, the switch marked; "
     "or from a collected "
@@ -341,12 +375,26 @@ def plot(
                 fig = update_depth_map_figure(ds, options=options)
             elif figure_number == "groups":
                 fig = group_benefit_figure(ds, grouping, options=options)
+            elif figure_number == "planted":
+                fig = _planted_figure(ds, results)
             else:
                 fig = figure4(ds, options=options)
     for warning in caught:
         click.echo(f"depthdiag: warning: {warning.message}", err=True)
     for path in save_figure(fig, out, force=force, inputs=results):
         click.echo(f"wrote {path}")
+
+
+def _planted_figure(ds, results: tuple[Path, ...]):
+    from analysis.attribution import labelled_auroc
+    from analysis.figures import auroc_figure
+
+    planted = _planted_labels(ds, results[0])
+    if planted is None:
+        raise InputError(
+            f"{results[0]}: --figure planted draws depthdiag attribute files of a run with data.planted_fraction > 0"
+        )
+    return auroc_figure(labelled_auroc(ds, planted))
 
 
 def _plot_grid(results: tuple[Path, ...], figure_number: str, out: Path, force: bool) -> None:

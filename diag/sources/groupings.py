@@ -2,7 +2,8 @@
 (diag/arithmetic/target_groups.py):
 
 - `attribute` (bioS runs, --eval-set attributes): the attribute each counted target is a
-  value token of (birth_day, birth_month, ...);
+  value token of (birth_day, birth_month, ...), and `planted` for the answers of planted
+  sequences (data.planted_fraction);
 - `frequency`: how often the target token occurs in the run's training stream (a sample of its
   first batches), in quartiles by rank over the counted targets, rarest first (q1..q4);
 - `position`: the target's position in its sequence, in four equal spans;
@@ -21,7 +22,6 @@ from common.errors import InputError
 from common.imports import import_named, one_line
 from diag.arithmetic.target_groups import TargetGroups, groups_of_ids
 from trainer.config import RunConfig
-from trainer.data.bios import ATTRIBUTES
 from trainer.data.sources import build_source
 
 SHIPPED = ("attribute", "frequency", "position")
@@ -105,12 +105,13 @@ def quantile_ids(values: Tensor, counted: Tensor, quantiles: int = QUANTILES) ->
 
 
 def attribute_groups(eval_tokens: Tensor, run: RunConfig, origin: object) -> TargetGroups:
-    """Targets by the bioS attribute they are a value token of (-1: not a value token)."""
+    """Targets by the bioS attribute they are a value token of, and the answers of planted
+    sequences as the group `planted` where the run plants them (-1: none of these)."""
     source = build_source(run.data)
     tokens, owners = source.attribute_owners(len(eval_tokens), eval_tokens.shape[1] - 1)
     if not torch.equal(tokens, eval_tokens.cpu()):
         raise InputError(f"{origin}: --grouping attribute: the evaluation set is not the run's attribute set")
-    return TargetGroups("attribute", owners[:, 1:].long(), tuple(ATTRIBUTES))
+    return TargetGroups("attribute", owners[:, 1:].long(), source.owner_labels)
 
 
 def _user_grouping(spec: str, eval_tokens: Tensor) -> TargetGroups:

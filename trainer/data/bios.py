@@ -27,6 +27,16 @@ forcing, one pass over the full evaluation bio scores all six facts at once:
 a value is produced exactly by greedy decoding iff the argmax is right at
 every one of its tokens given the right earlier tokens. This module generates the
 data; trainer/scoring.py scores a model on it (`recall_bits`).
+
+Planted sequences (`data.planted_fraction`, docs/data.md): a known share of the bio slots
+holds an in-context multi-hop lookup instead, as long as a bio, that each loop iteration can
+advance by one hop:
+
+    [SEP] [chain] V7 V30 V30 V2 V2 V51 ... [hops 3] V7 V51     (V7 -> V30 -> V2 -> V51)
+
+P pairs (x, f(x)) of a random permutation f of P distinct value tokens, then the number of
+hops h (1..4), a start x and the answer f^h(x): the only target a planted sequence adds to the
+counted evaluation targets (as the group `planted` of the attribute grouping).
 """
 
 from __future__ import annotations
@@ -45,6 +55,11 @@ ATTRIBUTES = ("birth city", "birth day", "birth month", "university", "major", "
 
 SEP = 0
 """Starts every bio; rows of a batch pack several bios back to back."""
+
+PLANTED = "planted"
+"""The attribute label of a planted sequence's answer (owner index len(ATTRIBUTES))."""
+MAX_HOPS = 4
+"""Planted sequences ask for 1..MAX_HOPS hops."""
 
 _POPULATION_STREAM, _EVAL_STREAM = 0, 1
 """Generator streams of the population and of the evaluation set."""
@@ -178,7 +193,13 @@ class BiosSource:
     """A bioS population and its token streams; a TokenSource (trainer/data/sources.py)."""
 
     def __init__(
-        self, spec: BiosSpec, names: np.ndarray, values: np.ndarray, value_spellings: tuple[np.ndarray, ...], seed: int
+        self,
+        spec: BiosSpec,
+        names: np.ndarray,
+        values: np.ndarray,
+        value_spellings: tuple[np.ndarray, ...],
+        seed: int,
+        planted_fraction: float = 0.0,
     ):
         self.spec = spec
         self.names = names
@@ -188,7 +209,15 @@ class BiosSource:
         self.value_spellings = value_spellings
         """Per attribute, int64 [cardinality, value_length]: the tokens of each value (distinct rows)."""
         self.seed = seed
-        self.vocab_size = spec.vocab_size
+        self.planted_fraction = planted_fraction
+        """The share of bio slots that hold a planted hop sequence instead (0: none)."""
+        self.planted_pairs = (spec.bio_length - 5) // 2
+        """Pairs (x, f(x)) a planted sequence lists: as many as a bio's length holds."""
+        if planted_fraction and not 2 <= self.planted_pairs <= spec.value_vocab:
+            raise InputError(f"bioS planted sequences need a bio of 9 to {2 * spec.value_vocab + 6} tokens")
+        self.chain_token = spec.vocab_size
+        """[chain]: starts a planted sequence; [hops h] is chain_token + h."""
+        self.vocab_size = spec.vocab_size + (1 + MAX_HOPS if planted_fraction else 0)
         self.facts = np.concatenate(
             [names] + [value_spellings[a][values[:, a]] for a in range(len(ATTRIBUTES))], axis=1
         )  # [people, name_length + sum(value_lengths)]
@@ -196,8 +225,11 @@ class BiosSource:
         self._evaluation = [spec.layout(t, order) for t, order in enumerate(spec.evaluation_orders)]
 
     @classmethod
-    def generate(cls, people: int, seed: int, spec: BiosSpec | None = None) -> BiosSource:
-        """`people` fictional people, a pure function of (people, seed, spec)."""
+    def generate(
+        cls, people: int, seed: int, spec: BiosSpec | None = None, planted_fraction: float = 0.0
+    ) -> BiosSource:
+        """`people` fictional people, a pure function of (people, seed, spec); with
+        `planted_fraction`, that share of the streams' bio slots planted hop sequences."""
         spec = spec or BiosSpec()
         if people < 1 or people > spec.name_vocab**spec.name_length:
             raise InputError(
@@ -212,7 +244,7 @@ class BiosSource:
         name_codes = rng.choice(spec.name_vocab**spec.name_length, people, replace=False)
         names = spec.first_name_token + _digits(name_codes, spec.name_vocab, spec.name_length)
         values = np.stack([rng.integers(0, c, size=people) for c in spec.cardinalities], axis=1)
-        return cls(spec, names, values, spellings, seed)
+        return cls(spec, names, values, spellings, seed, planted_fraction)
 
     @property
     def people(self) -> int:
@@ -245,7 +277,48 @@ class BiosSource:
         return sequence[: positions[0]], sequence[positions]
 
     def describe(self, tokens: Sequence[int]) -> str:
-        return " ".join(self.spec.token_text(int(t)) for t in tokens)
+        return " ".join(self._token_text(int(t)) for t in tokens)
+
+    def _token_text(self, token: int) -> str:
+        if self.chain_token <= token < self.vocab_size:
+            return "[chain]" if token == self.chain_token else f"[hops {token - self.chain_token}]"
+        return self.spec.token_text(token)
+
+    @property
+    def owner_labels(self) -> tuple[str, ...]:
+        """What an owner index means: ATTRIBUTES, then `planted` when sequences are planted."""
+        return ATTRIBUTES + ((PLANTED,) if self.planted_fraction else ())
+
+    # --- planted sequences --------------------------------------------------------------------
+
+    def _planted(self, rng: np.random.Generator, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """Planted hop sequences for every slot of `shape`: tokens int64 [*shape, bio_length]
+        and owners (len(ATTRIBUTES) at the answer, -1 elsewhere)."""
+        pairs, spec = self.planted_pairs, self.spec
+        values = spec.first_value_token + rng.random((*shape, spec.value_vocab)).argsort(-1)[..., :pairs]
+        successor = rng.random((*shape, pairs)).argsort(-1)  # f(x_i) = x_successor[i]
+        hops = rng.integers(1, MAX_HOPS + 1, size=shape)
+        start = rng.integers(0, pairs, size=shape)
+        at = start
+        for hop in range(MAX_HOPS):
+            at = np.where(hop < hops, np.take_along_axis(successor, at[..., None], -1)[..., 0], at)
+        listed = np.stack([values, np.take_along_axis(values, successor, -1)], axis=-1).reshape(*shape, 2 * pairs)
+        chain = np.full((*shape, spec.bio_length - 2 * pairs - 4), self.chain_token)  # [SEP] is the 1 more
+        query = np.stack([self.chain_token + hops, np.take_along_axis(values, start[..., None], -1)[..., 0]], axis=-1)
+        answer = np.take_along_axis(values, at[..., None], -1)
+        tokens = np.concatenate([np.full((*shape, 1), SEP), chain, listed, query, answer], axis=-1)
+        owners = np.full(tokens.shape, -1)
+        owners[..., -1] = len(ATTRIBUTES)
+        return tokens, owners
+
+    def planted_answers(self, tokens: np.ndarray) -> np.ndarray:
+        """bool, the shape of `tokens`: the positions that hold a planted sequence's answer (the
+        token two after a [hops h] token)."""
+        tokens = np.asarray(tokens)
+        hops = (tokens > self.chain_token) & (tokens < self.vocab_size)
+        answers = np.zeros_like(hops)
+        answers[..., 2:] = hops[..., :-2]
+        return answers
 
     # --- TokenSource --------------------------------------------------------------------------
 
@@ -269,11 +342,16 @@ class BiosSource:
         persons = rng.integers(0, self.people, size=(rows, per_row))[keep]
         templates = rng.integers(0, self.spec.templates, size=(rows, per_row))[keep]
         bios = self._render(persons.ravel(), templates.ravel(), layouts)  # [kept * per_row, bio_length]
+        owners = np.stack([layout[1] for layout in layouts])[templates.ravel()]  # [kept * per_row, bio_length]
+        if self.planted_fraction:  # drawn after the bios, so that the bios stay those of an unplanted stream
+            planted = (rng.random((rows, per_row)) < self.planted_fraction)[keep].ravel()
+            hop_tokens, hop_owners = (part[keep].reshape(bios.shape) for part in self._planted(rng, (rows, per_row)))
+            bios = np.where(planted[:, None], hop_tokens, bios)
+            owners = np.where(planted[:, None], hop_owners, owners)
         cut = slice(0, seq_len + 1)
         tokens = torch.from_numpy(bios.reshape(len(persons), -1)[:, cut])
         if not with_owners:
             return tokens, None
-        owners = np.stack([layout[1] for layout in layouts])[templates.ravel()]  # [kept * per_row, bio_length]
         return tokens, torch.from_numpy(owners.reshape(len(persons), -1)[:, cut])
 
     def batch(
