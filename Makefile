@@ -58,7 +58,7 @@ TRAINER_SOURCES := $(filter-out trainer/data/corpus.py trainer/data/text_tokens.
 DIAG_SOURCES := $(wildcard diag/*.py diag/*/*.py) depthdiag/cli/diagnose.py
 ANALYSIS_SOURCES := $(wildcard analysis/*.py analysis/*/*.py) depthdiag/cli/results.py
 
-.PHONY: setup figure4 figure4-files figure-map summary reference sensitivity machines monitor test test-slow mutants bench \
+.PHONY: setup figure4 figure4-files figure-map attribution planted summary reference sensitivity machines monitor test test-slow mutants bench \
   flops clean corpus lint golden figure1 figure2 figure3-loss figure5 table3 finishing-phase
 .DELETE_ON_ERROR:
 
@@ -146,6 +146,58 @@ $(MAP_FIGURE): $(MAP_RESULTS) $(ANALYSIS_SOURCES)
 
 figure-map: $(VENV)/.installed
 	$(MAKE) --no-print-directory -j $(JOBS) $(MAP_FIGURE)
+
+# Which data needs depth (docs/results.md), on figure4's runs: the benefit by bioS attribute at
+# the switch and after 16 uniform updates (diagnose --grouping attribute), and the switch
+# update attributed to its batch's sequences, with the removal check at serving depth 16
+# (attribute --removal-depth 16); the figure and the summary go to figures/ too.
+# make attribution [CONFIG=...] [SEEDS=...]
+GROUP_RESULTS := $(foreach seed,$(SEEDS),$(RESULTS)/groups-seed$(seed).h5)
+ATTRIBUTION_RESULTS := $(foreach seed,$(SEEDS),$(RESULTS)/attribution-seed$(seed).h5)
+GROUP_FIGURE := $(RESULTS)/figure-groups.png
+PLANTED_FIGURE := $(RESULTS)/figure-planted.png
+ATTRIBUTION_SUMMARY := $(RESULTS)/attribution-summary.txt
+
+$(RESULTS)/groups-seed%.h5: $(RUNS)/seed%/summary.json $(DIAG_SOURCES) analysis/store.py
+	mkdir -p $(dir $@)
+	rm -f $@
+	OMP_NUM_THREADS=$(THREADS) $(DEPTHDIAG) diagnose $(RUNS)/seed$*/snapshots/u0000_*.pt \
+	  $(RUNS)/seed$*/snapshots/u0016_*.pt --out $@ --grouping attribute \
+	  --batches $(BATCHES) --eval-set $(EVAL_SET) --resume
+
+$(RESULTS)/attribution-seed%.h5: $(RUNS)/seed%/summary.json $(DIAG_SOURCES) analysis/store.py
+	mkdir -p $(dir $@)
+	rm -f $@
+	OMP_NUM_THREADS=$(THREADS) $(DEPTHDIAG) attribute $(RUNS)/seed$*/snapshots/u0000_*.pt --out $@ \
+	  --removal-depth 16 --batches $(BATCHES) --eval-set $(EVAL_SET) --resume
+
+$(GROUP_FIGURE): $(GROUP_RESULTS) $(ANALYSIS_SOURCES)
+	$(DEPTHDIAG) plot $(GROUP_RESULTS) --figure groups --by attribute --out $@ --force
+
+$(PLANTED_FIGURE): $(ATTRIBUTION_RESULTS) $(ANALYSIS_SOURCES)
+	$(DEPTHDIAG) plot $(ATTRIBUTION_RESULTS) --figure planted --out $@ --force
+
+$(ATTRIBUTION_SUMMARY): $(GROUP_RESULTS) $(ATTRIBUTION_RESULTS) $(ANALYSIS_SOURCES)
+	$(DEPTHDIAG) summarize $(GROUP_RESULTS) --by attribute > $@.tmp
+	$(DEPTHDIAG) summarize $(ATTRIBUTION_RESULTS) >> $@.tmp
+	mv $@.tmp $@
+
+attribution: $(VENV)/.installed
+	$(MAKE) --no-print-directory -j $(JOBS) $(GROUP_FIGURE) $(ATTRIBUTION_SUMMARY)
+	cp $(GROUP_FIGURE) figures/$(NAME)-groups.png
+	cp $(ATTRIBUTION_SUMMARY) figures/$(NAME)-attribution-summary.txt
+	cat $(ATTRIBUTION_SUMMARY)
+
+# Does the attribution find data that needs depth? The same on configs/tiny-planted.toml's runs,
+# where a known fifth of the bio slots are multi-hop lookups (docs/data.md), and the AUROC of the
+# switch attributions for the rows holding one, per seed. make planted [PLANTED_SEEDS=...]
+PLANTED_SEEDS ?= 0 1 2
+
+planted: $(VENV)/.installed
+	$(MAKE) --no-print-directory attribution CONFIG=configs/tiny-planted.toml SEEDS="$(PLANTED_SEEDS)"
+	$(MAKE) --no-print-directory results/tiny-planted/figure-planted.png CONFIG=configs/tiny-planted.toml \
+	  SEEDS="$(PLANTED_SEEDS)"
+	cp results/tiny-planted/figure-planted.png figures/tiny-planted-auroc.png
 
 # Does the conclusion depend on the diagnostic's own choices? Every isolate x rms_match
 # pair on the switch and 16-update snapshots of every seed (after `make figure4`).

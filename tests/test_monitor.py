@@ -82,6 +82,8 @@ def test_a_config_without_a_monitor_serialises_as_before_and_one_with_it_round_t
     # tiny-monitor trains exactly tiny: only the [monitor] block differs.
     assert {k: v for k, v in with_monitor.to_dict().items() if k != "monitor"} == tiny.to_dict()
     assert tiny.with_overrides(["monitor.every=5"]).monitor.every == 5
+    # tiny-fp32 trains tiny in fp32.
+    assert load_config(ROOT / "configs/tiny-fp32.toml") == tiny.with_overrides(['train.precision="fp32"'])
     # A resume that turns the monitor on (or changes it) is refused like any other config change.
     assert _config_differences(tiny, tiny.with_overrides(["monitor.every=5"])) == ["monitor.every: 0 -> 5"]
 
