@@ -44,5 +44,5 @@ def auroc_figure(found: xr.Dataset, *, what: str = "planted") -> Figure:
     for ax, snapshot in zip(axes, found["snapshot"].values):
         plot_auroc(found.sel(snapshot=snapshot), ax=ax)
     counts = f"{int(found['positives'].sum())} of {int(found['rows'].sum())} batch rows, all seeds and snapshots"
-    fig.suptitle(f"attribution ranking {what} training sequences above the rest ({counts})", fontsize="medium")
+    fig.suptitle(f"attribution ranking {what} training sequences above the rest\n({counts})", fontsize="medium")
     return fig
