@@ -58,7 +58,7 @@ TRAINER_SOURCES := $(filter-out trainer/data/corpus.py trainer/data/text_tokens.
 DIAG_SOURCES := $(wildcard diag/*.py diag/*/*.py) depthdiag/cli/diagnose.py
 ANALYSIS_SOURCES := $(wildcard analysis/*.py analysis/*/*.py) depthdiag/cli/results.py
 
-.PHONY: setup figure4 figure4-files figure-map attribution planted summary reference sensitivity machines monitor test test-slow mutants bench \
+.PHONY: setup figure4 figure4-files figure-map attribution planted exits summary reference sensitivity machines monitor test test-slow mutants bench \
   flops clean corpus lint golden figure1 figure2 figure3-loss figure5 table3 finishing-phase
 .DELETE_ON_ERROR:
 
@@ -329,6 +329,34 @@ $(FINISHING)/comparison.md: $(FINISHING)/grid.h5 $(ANALYSIS_SOURCES)
 	cat $@
 
 finishing-phase: $(FINISHING)/comparison.md
+
+# --- Which depth to serve: exit criteria on the schedule comparison's final models -----------
+# grids/exits.toml trains fixed K=4, fixed-first (80%) and uniform 1..16 at one FLOP budget,
+# 3 seeds, in fp32; `depthdiag exits` scores each schedule's final checkpoints (every seed) with
+# the four shipped criteria, the oracle and the ledger by bioS attribute, the real-exit forward
+# beside the simulation -> results/exits/SCHEDULE.h5 and .txt, figures/exits.png.
+# make exits [EXITS_OPTIONS=...]
+EXITS_SCHEDULES := fixed4 ff80 uniform
+EXITS_RESULTS ?= results/exits
+EXITS_OPTIONS ?= --grouping attribute --real-exit
+EXITS_SOURCES := trainer/exits.py trainer/model.py trainer/scoring.py depthdiag/exits.py depthdiag/cli/exits.py \
+  analysis/exits.py
+
+$(EXITS_RESULTS)/%.h5: $(GRID_RUNS)/exits/.trained $(EXITS_SOURCES)
+	mkdir -p $(dir $@)
+	OMP_NUM_THREADS=$(THREADS) $(DEPTHDIAG) exits --out $@ --force --no-progress $(EXITS_OPTIONS) \
+	  $$(for cell in $(GRID_RUNS)/exits/schedule=$*/seed=*; do echo $$cell/checkpoints/$$(cat $$cell/checkpoints/latest); done)
+
+$(EXITS_RESULTS)/%.txt: $(EXITS_RESULTS)/%.h5 $(ANALYSIS_SOURCES)
+	$(DEPTHDIAG) summarize $< > $@.tmp && mv $@.tmp $@
+
+figures/exits.png: $(foreach s,$(EXITS_SCHEDULES),$(EXITS_RESULTS)/$(s).h5) $(ANALYSIS_SOURCES)
+	$(DEPTHDIAG) plot $(foreach s,$(EXITS_SCHEDULES),$(EXITS_RESULTS)/$(s).h5) --figure exits --out $@ --force
+
+exits: $(VENV)/.installed
+	$(MAKE) --no-print-directory $(GRID_RUNS)/exits/.trained
+	$(MAKE) --no-print-directory -j $(JOBS) figures/exits.png $(foreach s,$(EXITS_SCHEDULES),$(EXITS_RESULTS)/$(s).txt)
+	for s in $(EXITS_SCHEDULES); do echo "== $$s"; head -n 2 $(EXITS_RESULTS)/$$s.txt; done
 
 # The tests cover the lm-evaluation-harness wrapper, the Hugging Face routes and the Slurm grid
 # runner (through submitit's local executor) too, so they install the eval, hf and slurm extras

@@ -141,6 +141,12 @@ def figures(results: dict) -> list[dict]:
             "<= 0.6",
             "x",
         ),
+        _row(
+            "exit criteria, 4 x 20 thresholds with oracle and ledger from one pass, vs eval at depths 1..16",
+            results["exits"]["ratio"],
+            "<= 1.3",
+            "x",
+        ),
         _row("`depthdiag --help` wall time", results["help_seconds"], "< 0.5", "s"),
     ]
 
@@ -168,6 +174,7 @@ def main() -> None:
     keep_freed_memory()  # as the commands do
 
     import bench_diag
+    import bench_exits
     import bench_model
     import bench_monitor
     import bench_monitor_callback
@@ -189,6 +196,8 @@ def main() -> None:
     results["monitor_callback"] = bench_monitor_callback.run(args.monitor_config)
     print("bench: scale (diagnose across ranks, memory) ...", file=sys.stderr, flush=True)
     results["scale"] = bench_scale.run(args.config)
+    print("bench: exit criteria ...", file=sys.stderr, flush=True)
+    results["exits"] = bench_exits.run(args.config)
     results["figures"] = figures(results)
     results["seconds"] = time.perf_counter() - began
     out = Path(args.out)

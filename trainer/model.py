@@ -16,7 +16,7 @@ deepest one.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -357,12 +357,65 @@ class LoopedTransformer(nn.Module):
         """Yield (s, logits [B, T, V]) for each s in sorted(set(depths)) from one pass
         of max(depths) iterations, reading out after each requested iteration; with
         `positions` (int64 [N] into the flattened B*T tokens) logits [N, V] at those only."""
+        for k, _, logits in self.readouts_by_depth(input_ids, depths, positions):
+            yield k, logits
+
+    def readouts_by_depth(
+        self, input_ids: torch.Tensor, depths: Sequence[int], positions: torch.Tensor | None = None
+    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """`logits_by_depth` with the recurrent state: yield (s, s_s [B, T, d], logits [B, T, V]),
+        or with `positions` the state [N, d] and logits [N, V] at those tokens only."""
         wanted = sorted({int(s) for s in depths})
         if not wanted:
             raise InputError("depths must not be empty")
         for k, state in self._states(input_ids, wanted[-1]):
             if k in wanted:
-                yield k, self._readout(state, positions)
+                read = state if positions is None else state.flatten(0, 1)[positions]
+                yield k, read, self._readout(state, positions)
+
+    def forward_with_exit(
+        self,
+        input_ids: torch.Tensor,
+        max_depth: int,
+        exits: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token early exit, as adaptive-compute generation runs it: (logits [B, T, V],
+        exit depth int64 [B, T]).
+
+        After iteration k every token still running is read out and `exits(k, state [B, T, d],
+        logits [B, T, V])` returns bool [B, T], the tokens that stop there (at max_depth all
+        stop). A stopped token's state is frozen, and so are the inputs of every core block at
+        its last iteration: later iterations of the other tokens attend to the keys and values
+        it had when it stopped (a key-value cache that keeps each token's newest entry). The
+        logits are the readout of the frozen states. With every token stopping at max_depth
+        this is `forward(input_ids, max_depth)` to the bit, with every token stopping at 1 it
+        is `forward(input_ids, 1)`. Every token is still computed at every iteration (the
+        frozen ones' results discarded): this measures what exiting does to the predictions,
+        not its speed."""
+        if not isinstance(max_depth, int) or isinstance(max_depth, bool) or max_depth < 1:
+            raise InputError(f"max_depth must be a positive integer, got {max_depth!r}")
+        e = self._prelude(input_ids)  # [B, T, d]
+        state = self._initial_state(e)
+        B, T, _ = e.shape
+        exit_depth = torch.full((B, T), max_depth, dtype=torch.int64, device=e.device)
+        running = torch.ones(B, T, 1, dtype=torch.bool, device=e.device)
+        frozen_inputs: list[torch.Tensor | None] = [None] * len(self.core)  # each core block's input
+        for k in range(1, max_depth + 1):
+            x = self.adapter(torch.cat((state, e), dim=-1)) if self.adapter is not None else state + e
+            for i, block in enumerate(self.core):
+                if frozen_inputs[i] is not None:
+                    x = torch.where(running, x, frozen_inputs[i])
+                frozen_inputs[i] = x
+                x = block(x, self.rotary)
+            state = torch.where(running, x, state)
+            if k == max_depth:
+                break
+            stops = exits(k, state, self._readout(state)) & running.squeeze(-1)  # [B, T]
+            exit_depth[stops] = k
+            running = running & ~stops.unsqueeze(-1)
+            if not bool(running.any()):
+                break
+        return self._readout(state), exit_depth
 
     def nll_by_depth(self, input_ids: torch.Tensor, targets: torch.Tensor, depths: Sequence[int]) -> torch.Tensor:
         """Mean token NLL at every depth in `depths` from one pass of max(depths)

@@ -70,7 +70,7 @@ class NllByDepth(nn.Module):
         return self.model.nll_by_depth(input_ids, targets, depths)
 
 
-def _forward_per_depth(
+def forward_per_depth(
     model: nn.Module,
     input_ids: Tensor,
     depths: Sequence[int],
@@ -97,7 +97,7 @@ def logits_by_depth(model: nn.Module, input_ids: Tensor, depths: Sequence[int]) 
     if hasattr(model, "logits_by_depth"):
         yield from model.logits_by_depth(input_ids, wanted)
         return
-    yield from _forward_per_depth(model, input_ids, wanted, state=None, depth_call=depth_keyword)
+    yield from forward_per_depth(model, input_ids, wanted, state=None, depth_call=depth_keyword)
 
 
 def nll_by_depth(
@@ -123,7 +123,7 @@ def nll_by_depth(
     return torch.stack(
         [
             F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
-            for _, logits in _forward_per_depth(
+            for _, logits in forward_per_depth(
                 model, input_ids, depths, state=state, depth_call=depth_call, logits_of=logits_of
             )
         ]
@@ -173,7 +173,7 @@ def token_nll_by_depth(
     return torch.stack(
         [
             _token_nll(logits, targets)
-            for _, logits in _forward_per_depth(
+            for _, logits in forward_per_depth(
                 model, input_ids, depths, state=state, depth_call=depth_call, logits_of=logits_of
             )
         ]

@@ -5,6 +5,7 @@
 - `monitor`: the in-training monitor's figure (RUN/monitor.h5);
 - `grid`: the grid figures 1, 2, 3-top, 5 and 8 (from `analysis.grid`'s seed bands);
 - `curves`: one run's training curves (RUN/metrics.jsonl, `analysis.training`);
+- `exits`: exit criteria against the oracle and the fixed depths (a `depthdiag exits` file);
 - `attribution`: how well the attribution finds planted training sequences (AUROC per seed);
 - `downstream`: downstream evaluation, Figure 3's bottom row (`analysis.downstream`'s bands);
 - `saving`: writing a figure (`save_figure`), apart from drawing it;
@@ -25,6 +26,7 @@ from analysis.figures.attribution import auroc_figure, plot_auroc
 from analysis.figures.benefit import figure4, plot_benefit_by_depth, plot_depth_averaged_benefit
 from analysis.figures.curves import curves_figure, plot_training_loss, plot_validation_nll, smoothing_window
 from analysis.figures.downstream import figure3_downstream, plot_downstream_accuracy
+from analysis.figures.exits import exits_figure, plot_exits
 from analysis.figures.grid import (
     figure1,
     figure2,
@@ -57,10 +59,12 @@ __all__ = [
     "figure4",
     "figure5",
     "figure8",
+    "exits_figure",
     "figure_paths",
     "monitor_figure",
     "plot_auroc",
     "plot_benefit_by_depth",
+    "plot_exits",
     "plot_depth_averaged_benefit",
     "plot_downstream_accuracy",
     "plot_flops_vs_nll",

@@ -12,12 +12,13 @@ traceback. Every command that writes a file holds its lock (common/lock.py) and 
 existing one unless given `--force`.
 """
 
-from depthdiag.cli import diagnose, export, flops, grid, lm_eval, prepare, recommend, results, train
+from depthdiag.cli import diagnose, exits, export, flops, grid, lm_eval, prepare, recommend, results, train
 from depthdiag.cli.app import main
 
 COMMANDS = (
     train.train_run,
     train.eval_checkpoint,
+    exits.exits,
     diagnose.diagnose,
     diagnose.attribute,
     results.summarize,

@@ -42,6 +42,32 @@ def _monitor_file(results: tuple[Path, ...]) -> Path | None:
     return monitors[0] if monitors else None
 
 
+def _exits_file(results: tuple[Path, ...]) -> Path | None:
+    """The `depthdiag exits` file among RESULTS when it is the only file; None when none is one."""
+    from analysis.exits import is_exits_file
+
+    found = [path for path in results if is_exits_file(path)]
+    if found and len(results) > 1:
+        raise InputError(f"{found[0]}: an exits file holds all its runs; summarise or draw it on its own")
+    return found[0] if found else None
+
+
+def _summarize_exits(path: Path, as_json: bool, csv_out: str | None, grouping: str | None) -> None:
+    from analysis.exits import format_frontier, frontier_rows, open_exits
+
+    if csv_out is not None or grouping is not None:
+        raise InputError(f"{path}: an exits file is summarised as its frontier table (--json for the rows)")
+    ds = open_exits(path)
+    if as_json:
+        rows = [
+            {key: value.tolist() if hasattr(value, "tolist") else value for key, value in row.items()}
+            for row in frontier_rows(ds)
+        ]
+        click.echo(json_text({"file": str(path), "rows": rows}))
+        return
+    click.echo(format_frontier(ds))
+
+
 def _export_csv(rows: list[dict], csv_out: str | None, force: bool, results: tuple[Path, ...]) -> bool:
     """Write the summary rows as CSV to `csv_out` (a file, atomically under its lock; '-': stdout);
     returns whether the CSV took stdout's place."""
@@ -148,6 +174,9 @@ def summarize(
         from common.outputs import SUMMARY_CSV, check_output
 
         check_output(csv_out, kind=SUMMARY_CSV, inputs=results, force=force)
+    if _exits_file(results) is not None:
+        _summarize_exits(results[0], as_json, csv_out, grouping)
+        return
     if _monitor_file(results) is not None:
         if grouping is not None:
             raise InputError(f"--by {grouping}: a monitor file records no groups; diagnose --grouping does")
@@ -296,7 +325,9 @@ def _token_decoder(config_json: str | None, results: Path):
 @click.option(
     "--figure",
     "figure_number",
-    type=click.Choice(["4", "map", "groups", "planted", "monitor", "curves", *GRID_FIGURES, DOWNSTREAM_FIGURE]),
+    type=click.Choice(
+        ["4", "map", "groups", "planted", "exits", "monitor", "curves", *GRID_FIGURES, DOWNSTREAM_FIGURE]
+    ),
     default="4",
     show_default=True,
     help="Which figure: the paper's Figure 4 (results files); map: which update depth helps which serving "
@@ -304,7 +335,9 @@ def _token_decoder(config_json: str | None, results: Path):
     "e.g. --update-depths 4,1,2,8,16); groups: the benefit per group (--by GROUPING) and serving depth, at the "
     "switch and after 16 uniform updates (results files diagnosed with --grouping); planted: how well the "
     "attribution ranks planted sequences above the rest, AUROC by serving depth per seed (depthdiag attribute "
-    "files of a run with data.planted_fraction); monitor: a run's monitor "
+    "files of a run with data.planted_fraction); exits: NLL against mean served depth (and modeled FLOPs) for "
+    "every exit criterion, the oracle, the lowest NLL at each mean depth and the fixed depths (a depthdiag exits "
+    "file); monitor: a run's monitor "
     "file (RUN/monitor.h5); curves: a run "
     "directory's training loss (raw and smoothed) and validation NLL per serving depth, the switch marked; "
     "or from a collected "
@@ -359,6 +392,11 @@ def plot(
     if figure_number == DOWNSTREAM_FIGURE:
         _plot_downstream(results, out, force)
         return
+    if figure_number == "exits":
+        _plot_exits(results, out, force)
+        return
+    if _exits_file(results[:1]) is not None:
+        raise InputError(f"{results[0]}: --figure {figure_number} draws results files; an exits file --figure exits")
     monitor = _monitor_file(results)
     if (monitor is not None) != (figure_number == "monitor"):
         wanted = "a monitor file (RUN/monitor.h5)" if figure_number == "monitor" else "results files"
@@ -395,6 +433,22 @@ def _planted_figure(ds, results: tuple[Path, ...]):
             f"{results[0]}: --figure planted draws depthdiag attribute files of a run with data.planted_fraction > 0"
         )
     return auroc_figure(labelled_auroc(ds, planted))
+
+
+def _plot_exits(results: tuple[Path, ...], out: Path, force: bool) -> None:
+    """Each `depthdiag exits` file as one row of the figure, labelled by its file name."""
+    from analysis.exits import is_exits_file, mean_over_runs, open_exits
+    from analysis.figures import exits_figure, save_figure
+
+    for path in results:
+        if not is_exits_file(path):
+            raise InputError(f"{path}: --figure exits draws depthdiag exits files")
+    if len({path.stem for path in results}) < len(results):
+        raise InputError("--figure exits labels each file by its name: give files of different names")
+    with naming_files(results):
+        fig = exits_figure({path.stem: mean_over_runs(open_exits(path)) for path in results})
+    for path in save_figure(fig, out, force=force, inputs=results):
+        click.echo(f"wrote {path}")
 
 
 def _plot_grid(results: tuple[Path, ...], figure_number: str, out: Path, force: bool) -> None:
