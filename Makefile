@@ -52,8 +52,9 @@ FIGURE := $(RESULTS)/figure4.png
 SUMMARY := $(RESULTS)/summary.txt
 
 # What each stage's outputs are computed by, the command that runs it included (the exports,
-# the real-text corpus builder and the text tokenizer lookup never run in these pipelines).
-TRAINER_SOURCES := $(filter-out trainer/data/corpus.py trainer/data/text_tokens.py,$(wildcard trainer/*.py trainer/data/*.py)) \
+# the real-text corpus builder, the text tokenizer lookup and the exit-criteria table never run in
+# these pipelines' training or diagnosis).
+TRAINER_SOURCES := $(filter-out trainer/data/corpus.py trainer/data/text_tokens.py trainer/exits.py,$(wildcard trainer/*.py trainer/data/*.py)) \
 	$(wildcard common/*.py) depthdiag/cli/train.py
 DIAG_SOURCES := $(wildcard diag/*.py diag/*/*.py) depthdiag/cli/diagnose.py
 ANALYSIS_SOURCES := $(wildcard analysis/*.py analysis/*/*.py) depthdiag/cli/results.py

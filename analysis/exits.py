@@ -90,19 +90,27 @@ def lower_frontier(nll: np.ndarray, mean_nll_at_max: float) -> tuple[np.ndarray,
     oracle's at each epsilon included, lies on or above it."""
     S, N = nll.shape
     values = nll.astype(np.float64)
+    tokens = np.arange(N)
+    at = np.zeros(N, dtype=np.int64)  # each token's current hull vertex (depth index)
+    ahead = np.arange(S)[:, None]  # [S, 1]
     slopes, steps, drops = [], [], []
-    for column in values.T:
-        s = 0
-        while s < S - 1:
-            # the next hull vertex: the depth after s with the steepest fall from s
-            gains = (column[s + 1 :] - column[s]) / np.arange(1, S - s)
-            best = int(np.argmin(gains))
-            if gains[best] >= 0:
-                break
-            slopes.append(gains[best])
-            steps.append(best + 1)
-            drops.append(gains[best] * (best + 1))
-            s += best + 1
+    while True:
+        # every token at once: the next hull vertex is the later depth with the steepest fall
+        with np.errstate(divide="ignore", invalid="ignore"):
+            gains = (values - values[at, tokens]) / (ahead - at)  # [S, N]
+        gains[ahead <= at] = np.inf
+        best = gains.argmin(axis=0)
+        falling = gains[best, tokens] < 0
+        if not falling.any():
+            break
+        step = best[falling] - at[falling]
+        slopes.append(gains[best, tokens][falling])
+        steps.append(step)
+        drops.append(gains[best, tokens][falling] * step)
+        at[falling] = best[falling]
+    slopes = np.concatenate(slopes) if slopes else np.zeros(0)
+    steps = np.concatenate(steps) if steps else np.zeros(0, dtype=np.int64)
+    drops = np.concatenate(drops) if drops else np.zeros(0)
     order = np.argsort(np.asarray(slopes), kind="stable")
     depth = 1.0 + np.concatenate(([0.0], np.cumsum(np.asarray(steps, dtype=np.float64)[order]) / N))
     start = mean_nll_at_max + (values[0] - values[-1]).mean()

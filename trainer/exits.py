@@ -23,6 +23,7 @@ previous depth's `Readout`), named on the command line as MODULE:NAME.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -49,6 +50,17 @@ class Readout:
     """log p_s, float32 [N, V]: log-softmax of the head's logits in fp32."""
     state: Tensor | None
     """The recurrent state h_s at those targets' positions [N, d], or None when the model does not expose it."""
+
+    @functools.cached_property
+    def probs(self) -> Tensor:
+        """p_s, float32 [N, V], computed once for every criterion that reads it."""
+        return self.log_probs.exp()
+
+    @functools.cached_property
+    def top(self) -> tuple[Tensor, Tensor]:
+        """(max log p_s, argmax p_s), [N] each, computed once."""
+        values, indices = self.log_probs.max(-1)
+        return values, indices
 
 
 @dataclass(frozen=True)
@@ -80,7 +92,7 @@ def kl_to_previous(readout: Readout, previous: Readout | None) -> Tensor:
     """KL(p_s || p_{s-1}) per token, fp32 [N]."""
     if previous is None:
         return _undefined(readout)
-    return (readout.log_probs.exp() * (readout.log_probs - previous.log_probs)).sum(-1)
+    return (readout.probs * (readout.log_probs - previous.log_probs)).sum(-1)
 
 
 def relative_state_change(readout: Readout, previous: Readout | None) -> Tensor:
@@ -93,12 +105,12 @@ def relative_state_change(readout: Readout, previous: Readout | None) -> Tensor:
 
 def entropy(readout: Readout, previous: Readout | None) -> Tensor:
     """H(p_s) per token in nats, fp32 [N]."""
-    return -(readout.log_probs.exp() * readout.log_probs).sum(-1)
+    return -(readout.probs * readout.log_probs).sum(-1)
 
 
 def max_probability(readout: Readout, previous: Readout | None) -> Tensor:
     """max p_s per token, fp32 [N]."""
-    return readout.log_probs.max(-1).values.exp()
+    return readout.top[0].exp()
 
 
 def _geometric(low: float, high: float, n: int = 20) -> tuple[float, ...]:
@@ -154,7 +166,7 @@ def one_pass_readouts(model: nn.Module) -> bool:
 
 
 def _chunk_readouts(model, input_ids, targets, depths, *, depth_call, logits_of):
-    """(depth, state [N, d] or None, logits [N, V] float32, the chunk's mean NLL as eval has it)
+    """(depth, state [N, d] or None, log p [N, V] float32, the chunk's mean NLL as eval has it)
     at the counted targets of `targets` [b, T], depth by depth in increasing order."""
     flat_targets = targets.flatten()
     counted = flat_targets != IGNORE_INDEX
@@ -163,15 +175,16 @@ def _chunk_readouts(model, input_ids, targets, depths, *, depth_call, logits_of)
         positions = None if bool(counted.all()) else counted.nonzero().squeeze(1)
         wanted = flat_targets if positions is None else flat_targets[positions]
         for depth, state, logits in model.readouts_by_depth(input_ids, depths, positions):
-            logits = logits.flatten(0, -2).float()
-            yield depth, state.flatten(0, -2), logits, F.cross_entropy(logits, wanted)
+            log_probs = F.log_softmax(logits.flatten(0, -2).float(), dim=-1)
+            # cross_entropy is nll_loss of log_softmax: the same kernels, once
+            yield depth, state.flatten(0, -2), log_probs, F.nll_loss(log_probs, wanted)
         return
     for depth, logits in forward_per_depth(
         model, input_ids, depths, state=None, depth_call=depth_call, logits_of=logits_of
     ):
-        logits = logits.flatten(0, 1).float()
-        mean = F.cross_entropy(logits, flat_targets, ignore_index=IGNORE_INDEX)
-        yield depth, None, logits[counted], mean
+        log_probs = F.log_softmax(logits.flatten(0, 1).float(), dim=-1)
+        mean = F.nll_loss(log_probs, flat_targets, ignore_index=IGNORE_INDEX)
+        yield depth, None, log_probs[counted], mean
 
 
 @torch.no_grad()
@@ -221,13 +234,12 @@ def depth_table(
         wanted = chunk_targets[counted[:, 0], counted[:, 1]]  # [N]
         chunk_nll, chunk_correct, chunk_stats, means = [], [], {name: [] for name in statistics}, []
         previous = None
-        for depth, state, logits, mean in _chunk_readouts(
+        for depth, state, log_probs, mean in _chunk_readouts(
             model, chunk[:, :-1], chunk_targets, depths, depth_call=depth_call, logits_of=logits_of
         ):
-            log_probs = F.log_softmax(logits, dim=-1)  # [N, V]
-            readout = Readout(depth, log_probs, state)
+            readout = Readout(depth, log_probs, state)  # [N, V]
             chunk_nll.append(-log_probs.gather(1, wanted[:, None]).squeeze(1))
-            chunk_correct.append(logits.argmax(-1) == wanted)
+            chunk_correct.append(readout.top[1] == wanted)
             for criterion in criteria:
                 chunk_stats[criterion.name].append(criterion.statistic(readout, previous).float())
             means.append(mean)

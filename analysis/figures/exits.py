@@ -57,12 +57,13 @@ def plot_exits(means: xr.Dataset, *, x: str = "depth", ax: Axes | None = None) -
 
 def exits_figure(panels: dict[str, xr.Dataset]) -> Figure:
     """One row per labelled `mean_over_runs` Dataset (e.g. one per training schedule): `plot_exits`
-    against mean depth, and against modeled FLOPs where every file has them; rows share the NLL axis."""
+    against mean depth, and against modeled FLOPs where every file has them; each row its own NLL
+    axis (schedules can differ by an order of magnitude at depth)."""
     flops = all(np.isfinite(means["fixed_gflops"].values).all() for means in panels.values())
     columns = ("depth", "gflops") if flops else ("depth",)
     with sns.axes_style(STYLE):
         fig = Figure(figsize=(5.2 * len(columns) + 0.4, 3.9 * len(panels) + 0.4), layout="constrained")
-        axes = np.atleast_2d(fig.subplots(len(panels), len(columns), sharey=True, squeeze=False))
+        axes = np.atleast_2d(fig.subplots(len(panels), len(columns), sharey="row", squeeze=False))
     for row, (label, means) in zip(axes, panels.items()):
         for ax, x in zip(row, columns):
             plot_exits(means, x=x, ax=ax)
