@@ -58,9 +58,12 @@ class ExitsConfig:
     batch_size: int = 32
     """Evaluation sequences per forward pass."""
     device: str = "auto"
+    """Where the model runs: auto (cuda when there is one), cpu or cuda."""
     progress: bool = True
+    """Progress bars on long passes."""
 
     def thresholds_of(self, criterion: Criterion) -> tuple[float, ...]:
+        """The thresholds swept for `criterion`: given ones, else its defaults."""
         return self.thresholds.get(criterion.name, criterion.thresholds)
 
 
