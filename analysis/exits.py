@@ -158,10 +158,13 @@ def ledger_by_group(correct: np.ndarray, nll: np.ndarray, groups: np.ndarray, n_
 
 # --- reading a results file ------------------------------------------------------------------
 
+KIND = "exits"
+"""The `kind` attribute of a `depthdiag exits` results file."""
+
 
 def is_exits(ds: xr.Dataset) -> bool:
     """Whether `ds` is a results file of `depthdiag exits`."""
-    return ds.attrs.get("kind") == "exits"
+    return ds.attrs.get("kind") == KIND
 
 
 def _interval_text(values: np.ndarray, digits: int) -> str:
@@ -169,6 +172,16 @@ def _interval_text(values: np.ndarray, digits: int) -> str:
     if n < 2:
         return f"{mean:.{digits}f}"
     return f"{mean:.{digits}f} [{lower:.{digits}f}, {upper:.{digits}f}]"
+
+
+def swept(ds: xr.Dataset):
+    """(criterion, the file at that criterion and threshold) for every threshold swept; NaN
+    thresholds pad a criterion given fewer than another and are skipped."""
+    for criterion in ds["criterion"].values:
+        for i in ds["threshold_index"].values:
+            at = ds.sel(criterion=criterion, threshold_index=i)
+            if np.isfinite(float(at["threshold"])):
+                yield str(criterion), at
 
 
 def frontier_rows(ds: xr.Dataset) -> list[dict]:
@@ -203,19 +216,9 @@ def frontier_rows(ds: xr.Dataset) -> list[dict]:
     for epsilon in ds["epsilon"].values:
         at = ds.sel(epsilon=epsilon)
         add("oracle", f"eps={epsilon:g}", at["oracle_depth"], at["oracle_nll"], at["oracle_accuracy"], at["oracle_gap"])
-    for criterion in ds["criterion"].values:
-        for i in ds["threshold_index"].values:
-            at = ds.sel(criterion=criterion, threshold_index=i)
-            if not np.isfinite(float(at["threshold"])):
-                continue  # a criterion given fewer thresholds than another
-            add(
-                str(criterion),
-                f"tau={float(at['threshold']):.3g}",
-                at["exit_depth"],
-                at["exit_nll"],
-                at["exit_accuracy"],
-                at["exit_gap"],
-            )
+    for criterion, at in swept(ds):
+        tau = f"tau={float(at['threshold']):.3g}"
+        add(criterion, tau, at["exit_depth"], at["exit_nll"], at["exit_accuracy"], at["exit_gap"])
     return rows
 
 
@@ -288,21 +291,13 @@ def format_real_exits(ds: xr.Dataset) -> str:
         "(mean over runs):",
         f"{'criterion':<10} {'threshold':>10} {'depth sim':>10} {'depth real':>10} {'NLL sim':>9} {'NLL real':>9}",
     ]
-    for criterion in ds["criterion"].values:
-        for i in ds["threshold_index"].values:
-            at = ds.sel(criterion=criterion, threshold_index=i)
-            if not np.isfinite(float(at["threshold"])):
-                continue
-            lines.append(
-                f"{str(criterion):<10} {float(at['threshold']):>10.3g} {float(at['exit_depth'].mean()):>10.2f} "
-                f"{float(at['real_exit_depth'].mean()):>10.2f} {float(at['exit_nll'].mean()):>9.4f} "
-                f"{float(at['real_exit_nll'].mean()):>9.4f}"
-            )
+    for criterion, at in swept(ds):
+        lines.append(
+            f"{criterion:<10} {float(at['threshold']):>10.3g} {float(at['exit_depth'].mean()):>10.2f} "
+            f"{float(at['real_exit_depth'].mean()):>10.2f} {float(at['exit_nll'].mean()):>9.4f} "
+            f"{float(at['real_exit_nll'].mean()):>9.4f}"
+        )
     return "\n".join(lines)
-
-
-KIND = "exits"
-"""The `kind` attribute of a `depthdiag exits` results file."""
 
 
 def is_exits_file(path: str | os.PathLike) -> bool:
@@ -349,6 +344,6 @@ def mean_over_runs(ds: xr.Dataset) -> xr.Dataset:
         ("oracle", means["oracle_depth"]),
         ("frontier", means["frontier_depth"]),
     ):
-        means[f"{name}_gflops"] = depth * 0 + _flops(ds, np.asarray(depth, dtype=np.float64)) / 1e9
+        means[f"{name}_gflops"] = depth.copy(data=_flops(ds, np.asarray(depth, dtype=np.float64)) / 1e9)
     means.attrs = {**ds.attrs, "runs": ds.sizes["run"]}
     return means

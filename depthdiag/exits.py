@@ -254,6 +254,7 @@ def _combine(runs: list[xr.Dataset], config: ExitsConfig, device) -> xr.Dataset:
         "kind": KIND,
         "max_depth": config.max_depth,
         "criteria": " ".join(c.name for c in config.criteria),
+        "batch_size": config.batch_size,
         "targets": int(combined["targets"].values[0]),
         **provenance(),
         "machine": machine(torch.device(device).type),

@@ -252,7 +252,7 @@ def test_exits_writes_the_frontier_and_summarize_and_plot_read_it(run, tmp_path,
     with xr.open_dataset(out, engine="h5netcdf") as ds:
         ds = ds.load()
     assert ds.attrs["kind"] == "exits" and ds["criterion"].values.tolist() == ["kl", "entropy", "margin"]
-    assert ds.sizes["run"] == 2 and ds.sizes["threshold_index"] == 20
+    assert ds.sizes["run"] == 2 and ds.sizes["threshold_index"] == 20 and ds.attrs["batch_size"] == 3
     snapshot = load_snapshot(run["checkpoint"])
     eval_nll = mean_nll_by_depth(snapshot.model("cpu").eval(), snapshot.eval_tokens, [S], batch_size=3)
     assert float(ds["exit_nll"].sel(criterion="kl", threshold_index=0)[0]) == float(eval_nll[0])

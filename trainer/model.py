@@ -301,11 +301,14 @@ class LoopedTransformer(nn.Module):
         noise = torch.randn(e.shape, generator=gen, dtype=torch.float32)
         return (cfg.state_noise_std * noise).to(device=e.device, dtype=e.dtype)
 
-    def _iterate(self, state: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    def _inject(self, state: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """The core's input from the state and the prelude output [B, T, d]."""
         if self.adapter is not None:
-            x = self.adapter(torch.cat((state, e), dim=-1))
-        else:
-            x = state + e
+            return self.adapter(torch.cat((state, e), dim=-1))
+        return state + e
+
+    def _iterate(self, state: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        x = self._inject(state, e)
         for block in self.core:
             x = block(x, self.rotary)
         return x
@@ -401,7 +404,7 @@ class LoopedTransformer(nn.Module):
         running = torch.ones(B, T, 1, dtype=torch.bool, device=e.device)
         frozen_inputs: list[torch.Tensor | None] = [None] * len(self.core)  # each core block's input
         for k in range(1, max_depth + 1):
-            x = self.adapter(torch.cat((state, e), dim=-1)) if self.adapter is not None else state + e
+            x = self._inject(state, e)
             for i, block in enumerate(self.core):
                 if frozen_inputs[i] is not None:
                     x = torch.where(running, x, frozen_inputs[i])

@@ -18,13 +18,11 @@ def plot_exits(means: xr.Dataset, *, x: str = "depth", ax: Axes | None = None) -
     GFLOPs per token). Returns the axes."""
     if ax is None:
         ax = new_axes()
-    column = {"depth": ("serving_depth", "exit_depth", "oracle_depth", "frontier_depth"), "gflops": None}[x]
+    depths = {"fixed": "serving_depth", "exit": "exit_depth", "oracle": "oracle_depth", "frontier": "frontier_depth"}
 
     def along(name: str) -> np.ndarray:
-        if column is None:
-            return means[f"{name}_gflops"].values
-        source = {"fixed": column[0], "exit": column[1], "oracle": column[2], "frontier": column[3]}[name]
-        return means[source].values.astype(float)
+        variable = depths[name] if x == "depth" else f"{name}_gflops"
+        return means[variable].values.astype(float)
 
     ax.plot(along("frontier"), means["frontier_nll"].values, color="0.2", linewidth=1.2, label="lowest at mean depth")
     ax.plot(
