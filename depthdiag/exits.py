@@ -28,7 +28,7 @@ from trainer.distributed import resolve_device
 from trainer.exits import Criterion, DepthTable, depth_table, real_exit_nll
 from trainer.flops import eval_flops
 from trainer.machine import machine
-from trainer.model import IGNORE_INDEX, ModelConfig
+from trainer.model import IGNORE_INDEX, LoopedTransformer, ModelConfig
 
 EPSILONS = (0.0, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 """The oracle's tolerances (nats) by default."""
@@ -67,13 +67,25 @@ class ExitsConfig:
         return self.thresholds.get(criterion.name, criterion.thresholds)
 
 
-def exits_of_checkpoints(paths: Sequence[str | Path], config: ExitsConfig) -> xr.Dataset:
-    """The exits results of depthdiag checkpoints or snapshots (several: several seeds of one
-    experiment, along `run`)."""
+def exits_of_checkpoints(
+    paths: Sequence[str | Path], config: ExitsConfig, *, trust_remote_code: bool = False, family: str | None = None
+) -> xr.Dataset:
+    """The exits results of depthdiag checkpoints or snapshots, or of snapshot folders that
+    `diag.save_snapshot` wrote (several: several seeds of one experiment, along `run`). A folder's
+    model is called as its family says, or as `family` (a family name or MODULE:NAME) says;
+    `trust_remote_code` runs the code a folder's Hugging Face model ships with."""
     from diag.sources.evalset import evaluation_set, resolve_eval_set
     from diag.sources.groupings import target_groupings
     from trainer.checkpoint import load_snapshot
 
+    folders = [path for path in paths if Path(path).is_dir()]
+    if folders and len(folders) < len(paths):
+        raise InputError(f"{folders[0]}: a snapshot folder, among checkpoint files; give files or folders")
+    if folders:
+        return _exits_of_folders(folders, config, trust_remote_code=trust_remote_code, family=family)
+    if trust_remote_code or family is not None:
+        given = "--trust-remote-code" if trust_remote_code else f"--family {family}"
+        raise InputError(f"{given}: only with --hf DIR or snapshot folders; checkpoints hold depthdiag's own model")
     target = resolve_device(config.device)
     runs = []
     for path in paths:
@@ -90,6 +102,41 @@ def exits_of_checkpoints(paths: Sequence[str | Path], config: ExitsConfig) -> xr
         }
         runs.append(
             _one_run(model, tokens, mask, groups, config, target, snapshot.config.model, attrs, eval_set=eval_set)
+        )
+    return _combine(runs, config, target)
+
+
+def _exits_of_folders(
+    paths: Sequence[str | Path], config: ExitsConfig, *, trust_remote_code: bool, family: str | None
+) -> xr.Dataset:
+    from diag.arithmetic.families import keyword_family, resolve_family
+    from diag.sources.groupings import target_groupings
+    from diag.sources.snapshot_loading import read_snapshot_folder
+
+    target = resolve_device(config.device)
+    runs = []
+    for path in paths:
+        folder = read_snapshot_folder(path)
+        adapted = folder.load(trust_remote_code=trust_remote_code, device=target)
+        called = resolve_family(family) if family is not None else adapted.family or keyword_family(adapted.depth_kwarg)
+        tokens, mask = adapted.eval_tokens, adapted.eval_mask
+        groups = target_groupings(config.groupings, tokens, mask, run=None, eval_set=None, origin=path)
+        model = adapted.model.eval()
+        model_config = model.config if isinstance(model, LoopedTransformer) else None
+        attrs = {"snapshot_folder": str(path), "checkpoint_step": folder.step, "model_family": called.name}
+        runs.append(
+            _one_run(
+                model,
+                tokens,
+                mask,
+                groups,
+                config,
+                target,
+                model_config,
+                attrs,
+                depth_call=called.eval_call,
+                logits_of=called.logits,
+            )
         )
     return _combine(runs, config, target)
 
@@ -231,6 +278,7 @@ PER_RUN_ATTRS = (
     "checkpoint_sha256",
     "checkpoint_step",
     "config",
+    "snapshot_folder",
     "hf_folder",
     "model_family",
     "data",

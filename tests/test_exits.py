@@ -287,3 +287,41 @@ def test_exits_refuses_bad_input_in_one_line(run, tmp_path, args, message):
     code, _, stderr = run_cli("exits", run["checkpoint"], "--out", out, *args)
     assert code == 2 and message in stderr and len(stderr.strip().splitlines()) == 1, stderr
     assert not out.exists()
+
+
+def test_a_snapshot_folder_of_the_same_model_gives_the_checkpoints_results(run, tmp_path):
+    import diag
+
+    snapshot = load_snapshot(run["checkpoint"])
+    model = snapshot.model("cpu")
+    folder = diag.save_snapshot(
+        tmp_path / "folder", model, snapshot.optimizer(model), torch.zeros((1, 2, 5), dtype=torch.long),
+        snapshot.eval_tokens, step=snapshot.step,
+    )  # fmt: skip
+    options = ("--max-depth", S, "--eval-set", "snapshot", "--criteria", "kl,l2", "--batch-size", 3, "--real-exit")
+    results = {}
+    for name, source in (("file", run["checkpoint"]), ("folder", folder)):
+        out = tmp_path / f"{name}.h5"
+        code, _, stderr = run_cli("exits", source, "--out", out, *options, "--no-progress")
+        assert code == 0, stderr
+        with xr.open_dataset(out, engine="h5netcdf") as ds:
+            results[name] = ds.load()
+    file, folder_ds = results["file"], results["folder"]
+    assert folder_ds["snapshot_folder"].values.tolist() == [str(folder)]
+    assert folder_ds["model_family"].values.tolist() == ["keyword-depth"]
+    for name in (
+        "fixed_nll",
+        "exit_nll",
+        "exit_depth",
+        "oracle_nll",
+        "frontier_nll",
+        "right_to_wrong",
+        "real_exit_nll",
+    ):
+        xr.testing.assert_identical(folder_ds[name].drop_vars("run"), file[name].drop_vars("run"))
+    assert folder_ds.attrs["flops_per_iteration"] == file.attrs["flops_per_iteration"]
+
+    code, _, stderr = run_cli("exits", folder, run["checkpoint"], "--out", tmp_path / "mixed.h5")
+    assert code == 2 and "a snapshot folder, among checkpoint files" in stderr, stderr
+    code, _, stderr = run_cli("exits", run["checkpoint"], "--family", "huginn", "--out", tmp_path / "f.h5")
+    assert code == 2 and "--family huginn: only with --hf DIR or snapshot folders" in stderr, stderr

@@ -80,7 +80,7 @@ def parse_thresholds(values: tuple[str, ...]) -> dict[str, tuple[float, ...]]:
 @eval_batch_size_option("--batch-size")
 @no_progress_option
 @reports_errors
-@hf_input_options(training=False)
+@hf_input_options(training=False, snapshot_folders=True)
 def exits(
     checkpoints: tuple[Path, ...],
     out: Path,
@@ -95,9 +95,12 @@ def exits(
     batch_size: int,
     no_progress: bool,
     hf,
+    trust_remote_code: bool,
+    family: str | None,
 ) -> None:
     """Simulate per-token exit criteria from one pass over depths 1..S of each CHECKPOINT
-    (checkpoints or snapshots; several are several seeds of one experiment) or of --hf DIR:
+    (checkpoints or snapshots, or snapshot folders that diag.save_snapshot wrote, with their
+    --family and --trust-remote-code; several are several seeds of one experiment) or of --hf DIR:
     for each criterion and threshold the mean served depth, modeled FLOPs per token, mean NLL and
     top-1 accuracy; the oracle (each token at the smallest depth within epsilon of its best NLL)
     and the lowest NLL any per-token choice of depths reaches at each mean depth; the fixed
@@ -131,5 +134,8 @@ def exits(
         device=device,
         progress=not no_progress,
     )
-    ds = exits_of_checkpoints(checkpoints, config) if hf is None else exits_of_hf(hf, config)
+    if hf is None:
+        ds = exits_of_checkpoints(checkpoints, config, trust_remote_code=trust_remote_code, family=family)
+    else:
+        ds = exits_of_hf(hf, config)
     click.echo(f"wrote {write_results(ds, out, force=force, inputs=inputs)}")

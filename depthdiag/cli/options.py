@@ -111,13 +111,13 @@ _hf_model_declarations = (
         default=None,
         metavar="NAME|MODULE:NAME",
         help="How to call the --hf model at a depth: depthdiag, huginn, or a diag.ModelFamily of "
-        "your own [default: from config.json's model_type]. diagnose: also in place of the family a snapshot "
-        "folder or an --adapter's model says.",
+        "your own [default: from config.json's model_type]. diagnose, exits: also in place of the family a "
+        "snapshot folder's (or diagnose's --adapter's) model says.",
     ),
     click.option(
         "--trust-remote-code",
         is_flag=True,
-        help="Run the model code that ships in the --hf folder (diagnose: or with a snapshot folder's model).",
+        help="Run the model code that ships in the --hf folder (diagnose, exits: or with a snapshot folder's model).",
     ),
 )
 _hf_token_declarations = (
