@@ -8,11 +8,16 @@ str/int/float only, `long_name` and `units` on every variable), dims (task, serv
 |---|---|
 | one per metric lm-eval reports: acc, acc_stderr, acc_norm, acc_norm_stderr, ... | task, serving_depth |
 | chance | task |
+| exit_METRIC for each metric (with `--exit`) | task, exit |
+| exit_mean_depth (with `--exit`) | exit |
 
 A metric reported under a filter other than lm-eval's 'none' is named METRIC_FILTER (e.g.
 exact_match_strict_match); a metric a task does not report is NaN for it. `chance` is the
 accuracy of a uniform guess (multiple-choice tasks; NaN for the others). Coordinates:
-`task` (str) with `n_samples` (documents evaluated) and `n_shot` along it, `serving_depth`.
+`task` (str) with `n_samples` (documents evaluated) and `n_shot` along it, `serving_depth`, and
+with exit rules `exit` (str: CRITERION:THRESHOLD, each token served at the first iteration where
+the criterion fires, real per-token exit). `exit_mean_depth` is the mean depth the scored
+continuation tokens of every request were served at.
 Attributes: `kind` = 'lm_eval', the checkpoint's path, sha256 and run config, the tokenizer,
 `lm_eval_version`, `task_versions`, `task_configs` and `n_shot` (JSON), `limit`.
 """
@@ -36,6 +41,10 @@ KIND = "lm_eval"
 """The `kind` attribute of a downstream-evaluation file."""
 
 DIMS = ("task", "serving_depth")
+EXIT_DIMS = ("task", "exit")
+EXIT_PREFIX = "exit_"
+"""The metrics at an exit rule are named EXIT_PREFIX + METRIC, over EXIT_DIMS."""
+EXIT_DEPTH = "exit_mean_depth"
 STDERR_SUFFIX = "_stderr"
 NO_FILTER = "none"
 """lm-eval's name for 'no filter' in its 'metric,filter' result keys."""
@@ -83,38 +92,52 @@ def downstream_dataset(
     n_samples: Mapping[str, int],
     n_shot: Mapping[str, int],
     attrs: Mapping[str, object],
+    per_exit: Mapping[str, Mapping[str, Mapping[str, object]]] | None = None,
+    exit_depth: Mapping[str, float] | None = None,
 ) -> xr.Dataset:
     """The file's Dataset from lm-eval's `results["results"]` of each serving depth
-    ({depth: {task: {'acc,none': 0.26, ...}}}), tasks in the order of the first depth."""
+    ({depth: {task: {'acc,none': 0.26, ...}}}), tasks in the order of the first depth; with
+    `per_exit` ({rule: results}) also each metric at each exit rule and `exit_depth` ({rule: mean
+    served depth})."""
     depths = sorted(int(depth) for depth in per_depth)
     if not depths:
         raise InputError("no serving depth was evaluated")
     tasks = list(per_depth[depths[0]])
     if not tasks:
         raise InputError("lm-eval reported no task")
+    per_exit = per_exit or {}
     names: dict[str, tuple[str, str]] = {}
-    for results in per_depth.values():
+    for results in (*per_depth.values(), *per_exit.values()):
         for metrics in results.values():
             for key in metrics:
                 parsed = variable_name(key)
                 if parsed is not None:
                     names.setdefault(parsed[0], (parsed[1], key))
-    data = {name: np.full((len(tasks), len(depths)), np.nan) for name in names}
-    for j, depth in enumerate(depths):
-        for i, task in enumerate(tasks):
-            for key, value in per_depth[depth].get(task, {}).items():
-                parsed = variable_name(key)
-                if parsed is not None:
-                    data[parsed[0]][i, j] = _number(value)
-    variables = {name: (DIMS, values, _describe(name, *names[name])) for name, values in data.items()}
+    variables = {
+        name: (DIMS, values, _describe(name, *names[name]))
+        for name, values in _metric_table(per_depth, depths, tasks, names).items()
+    }
+    if per_exit:
+        rules = list(per_exit)
+        for name, values in _metric_table(per_exit, rules, tasks, names).items():
+            description = _describe(name, *names[name])
+            description["long_name"] += " with real per-token exit at each exit rule"
+            variables[EXIT_PREFIX + name] = (EXIT_DIMS, values, description)
+        variables[EXIT_DEPTH] = (
+            ("exit",),
+            np.array([float((exit_depth or {}).get(rule, math.nan)) for rule in rules]),
+            {"long_name": "mean depth the scored continuation tokens were served at", "units": "iterations"},
+        )
     variables["chance"] = (
         ("task",),
         np.array([float(chance.get(task, math.nan)) for task in tasks]),
         {"long_name": "accuracy of a uniform guess: mean over the documents of 1 / choices", "units": "1"},
     )
+    exits = {"exit": np.array(list(per_exit), dtype=str)} if per_exit else {}
     ds = xr.Dataset(
         variables,
         coords={
+            **exits,
             "task": np.array(tasks, dtype=str),
             "serving_depth": np.array(depths, dtype=np.int64),
             "n_samples": ("task", np.array([int(n_samples.get(task, 0)) for task in tasks], dtype=np.int64)),
@@ -126,6 +149,23 @@ def downstream_dataset(
     for name, (long_name, units) in COORDINATES.items():
         ds[name].attrs.update(long_name=long_name, units=units)
     return ds
+
+
+def _metric_table(results_by, columns, tasks, names) -> dict[str, np.ndarray]:
+    """Each metric of `names` over (task, column) from {column: lm-eval results}, NaN where missing."""
+    data = {name: np.full((len(tasks), len(columns)), np.nan) for name in names}
+    for j, column in enumerate(columns):
+        for i, task in enumerate(tasks):
+            for key, value in results_by[column].get(task, {}).items():
+                parsed = variable_name(key)
+                if parsed is not None:
+                    data[parsed[0]][i, j] = _number(value)
+    return data
+
+
+def depth_metrics(ds: xr.Dataset) -> list[str]:
+    """The metrics over (task, serving_depth) (and seed, for several files), standard errors included."""
+    return [name for name in ds.data_vars if tuple(d for d in ds[name].dims if d != "seed") == DIMS]
 
 
 def is_downstream_dataset(ds: xr.Dataset) -> bool:
@@ -152,8 +192,9 @@ def validate_downstream(ds: xr.Dataset, source) -> None:
     if not metrics:
         raise InputError(f"{source}: holds no metric")
     for name in metrics:
-        if ds[name].dims != DIMS or not np.issubdtype(ds[name].dtype, np.floating):
-            raise InputError(f"{source}: variable {name!r} is not floating point over {DIMS}")
+        dims = (("exit",) if name == EXIT_DEPTH else EXIT_DIMS) if name.startswith(EXIT_PREFIX) else DIMS
+        if ds[name].dims != dims or not np.issubdtype(ds[name].dtype, np.floating):
+            raise InputError(f"{source}: variable {name!r} is not floating point over {dims}")
     if "chance" not in ds.data_vars or ds["chance"].dims != ("task",):
         raise InputError(f"{source}: no variable 'chance' over ('task',)")
 
@@ -182,9 +223,10 @@ def combine_seeds(datasets: list[xr.Dataset], sources: list[Path]) -> xr.Dataset
     first, first_path = datasets[0], sources[0]
     seeds = []
     for ds, path in zip(datasets, sources):
-        for coord in ("task", "serving_depth", "n_samples"):
-            if not np.array_equal(ds[coord].values, first[coord].values):
-                raise InputError(f"{path}: {coord} {ds[coord].values.tolist()} differs from {first_path}'s")
+        for coord in ("task", "serving_depth", "n_samples", "exit"):
+            values, first_values = (d[coord].values.tolist() if coord in d.coords else [] for d in (ds, first))
+            if values != first_values:
+                raise InputError(f"{path}: {coord} {values} differs from {first_path}'s")
         for key in SAME_ACROSS_SEEDS:
             if ds.attrs.get(key) != first.attrs.get(key):
                 raise InputError(f"{path}: {key} {ds.attrs.get(key)!r} differs from {first_path}'s")
@@ -212,8 +254,8 @@ def accuracy_bands(ds: xr.Dataset, metric: str = "acc") -> xr.Dataset:
     (a normal 95% interval over the documents: document sampling noise of that model, not seed
     noise), NaN where lm-eval gave no standard error. Several seeds (a `seed` dimension): the mean over
     seeds and the range (min to max) across them, as the paper's Figure 3 draws."""
-    if metric not in ds.data_vars:
-        available = ", ".join(name for name in ds.data_vars if name != "chance" and not name.endswith(STDERR_SUFFIX))
+    if metric not in depth_metrics(ds):
+        available = ", ".join(name for name in depth_metrics(ds) if not name.endswith(STDERR_SUFFIX))
         raise InputError(f"the file has no metric {metric!r} (it has {available})")
     values = ds[metric]
     if "seed" in values.dims:
@@ -240,8 +282,10 @@ def accuracy_bands(ds: xr.Dataset, metric: str = "acc") -> xr.Dataset:
 
 
 def format_downstream(ds: xr.Dataset) -> str:
-    """One block per task: a row per serving depth with each metric and its standard error."""
-    metrics = [name for name in ds.data_vars if name != "chance" and not name.endswith(STDERR_SUFFIX)]
+    """One block per task: a row per serving depth, then one per exit rule, with each metric and
+    its standard error."""
+    metrics = [name for name in depth_metrics(ds) if not name.endswith(STDERR_SUFFIX)]
+    rules = ds["exit"].values.tolist() if "exit" in ds.dims else []
     lines = []
     for task in ds["task"].values:
         row = ds.sel(task=task)
@@ -250,12 +294,22 @@ def format_downstream(ds: xr.Dataset) -> str:
         chance_text = f", chance {chance:.4f}" if np.isfinite(chance) else ""
         lines.append(f"{task}: {int(row['n_samples'])} documents, {int(row['n_shot'])}-shot{chance_text}")
         lines.append("depth  " + "  ".join(f"{name:>18}" for name in shown))
-        for j, depth in enumerate(row["serving_depth"].values):
-            cells = []
-            for name in shown:
-                value = float(row[name].values[j])
-                stderr_name = f"{name}{STDERR_SUFFIX}"
-                stderr = float(row[stderr_name].values[j]) if stderr_name in row else math.nan
-                cells.append(f"{value:.4f} ± {stderr:.4f}" if np.isfinite(stderr) else f"{value:.4f}")
-            lines.append(f"{int(depth):>5}  " + "  ".join(f"{cell:>18}" for cell in cells))
+        for depth in row["serving_depth"].values:
+            cells = _cells(row.sel(serving_depth=depth), shown)
+            lines.append(f"{int(depth):>5}  " + cells)
+        for rule in rules:
+            at_rule = row.sel(exit=rule)
+            cells = _cells(at_rule, [EXIT_PREFIX + name for name in shown])
+            lines.append(f"exit {rule} (mean depth {float(at_rule[EXIT_DEPTH]):.2f})  " + cells)
     return "\n".join(lines)
+
+
+def _cells(values: xr.Dataset, names: list[str]) -> str:
+    """Each metric of one row as 'value ± stderr' (the value alone without a standard error)."""
+    cells = []
+    for name in names:
+        value = float(values[name])
+        stderr_name = f"{name}{STDERR_SUFFIX}"
+        stderr = float(values[stderr_name]) if stderr_name in values else math.nan
+        cells.append(f"{value:.4f} ± {stderr:.4f}" if np.isfinite(stderr) else f"{value:.4f}")
+    return "  ".join(f"{cell:>18}" for cell in cells)

@@ -8,7 +8,12 @@ whole grid costs about one evaluation at the deepest depth (generation tasks exc
 greedy decoding differs per depth). The tasks, few-shot examples and document order are
 the same in every run (lm-eval's fixed seeds), which is what lets the scores be reused.
 
-The result is a Dataset over (task, serving_depth) in the schema of analysis/downstream.py.
+With exit rules (`--exit kl:5e-4`), the same first run also scores every request with real
+per-token exit, one forward per rule and request batch, and lm-eval's `evaluate` runs once more
+per rule.
+
+The result is a Dataset over (task, serving_depth), and (task, exit) for the exit rules, in the
+schema of analysis/downstream.py.
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ class DownstreamConfig:
     """lm-eval task, group or tag names."""
     serving_depths: tuple[int, ...]
     """The depths every task is evaluated at."""
+    exits: tuple[str, ...] = ()
+    """Exit rules (CRITERION:THRESHOLD, e.g. kl:5e-4) every task is also evaluated at: each token
+    served with real per-token exit, at most the deepest serving depth (log-likelihood tasks)."""
     hf: HfInput | None = None
     """A Hugging Face model folder instead of `checkpoint`, served as its model family serves (diag/sources/hf.py)."""
     include_path: Path | None = None
@@ -178,6 +186,7 @@ def evaluate_downstream(config: DownstreamConfig) -> xr.Dataset:
         config.checkpoint,
         served=served,
         depths=config.serving_depths,
+        exits=config.exits,
         tokenizer=config.tokenizer,
         batch_size=config.batch_size,
         device=str(device),
@@ -194,6 +203,10 @@ def evaluate_downstream(config: DownstreamConfig) -> xr.Dataset:
             first = first or results
             bar.update(1)
             bar.set_postfix_str(_headline(results["results"], depth))
+    per_exit: dict[str, dict] = {}
+    for spec in config.exits:
+        model.set_depth(spec)
+        per_exit[spec] = evaluate_once(model, loaded, config.limit)["results"]
     snapshot = model.snapshot
     if snapshot is None:
         source = {**model.served.info, "config": json.dumps(read_hf_config(config.hf.folder), sort_keys=True)}
@@ -231,6 +244,8 @@ def evaluate_downstream(config: DownstreamConfig) -> xr.Dataset:
         n_samples=n_samples,
         n_shot=n_shot,
         attrs=attrs,
+        per_exit=per_exit,
+        exit_depth={spec: model.mean_exit_depth(spec) for spec in config.exits},
     )
 
 

@@ -82,9 +82,13 @@ def checkpoint(tmp_path_factory) -> Path:
     )
 
 
-def hand_log_likelihoods(checkpoint: Path, depth: int, docs=DOCS) -> list[list[float]]:
+def hand_log_likelihoods(checkpoint: Path, depth: int, docs=DOCS, exit_rule=None, served=None) -> list[list[float]]:
     """Per document, per choice: the summed log-probability of ' choice' after the prompt, from
-    one plain forward per (document, choice) at `depth` over the last MAX_SEQ_LEN + 1 bytes."""
+    one plain forward per (document, choice) at `depth` over the last MAX_SEQ_LEN + 1 bytes; with
+    `exit_rule` (criterion, threshold) from one real-exit forward of at most `depth` iterations
+    instead, the scored tokens' exit depths appended to `served`."""
+    from trainer.exits import ExitDecisions
+
     model = load_snapshot(checkpoint).model().eval()
     scores = []
     for doc in docs:
@@ -93,8 +97,14 @@ def hand_log_likelihoods(checkpoint: Path, depth: int, docs=DOCS) -> list[list[f
         for choice in doc["choices"]:
             continuation = list(f" {choice}".encode())
             window = (context + continuation)[-(MAX_SEQ_LEN + 1) :]
+            ids = torch.tensor([window[:-1]])
             with torch.no_grad():
-                log_probs = model(torch.tensor([window[:-1]]), depth=depth)[0].log_softmax(-1)
+                if exit_rule is None:
+                    logits = model(ids, depth=depth)
+                else:
+                    logits, exit_depth = model.forward_with_exit(ids, depth, ExitDecisions(*exit_rule))
+                    served.extend(exit_depth[0, -len(continuation) :].tolist())
+            log_probs = logits[0].log_softmax(-1)
             targets = torch.tensor(window[1:][-len(continuation) :])
             row.append(float(log_probs[-len(continuation) :].gather(-1, targets[:, None]).sum()))
         scores.append(row)
@@ -170,6 +180,42 @@ def test_accuracies_at_every_depth_equal_a_hand_computation(evaluated, checkpoin
     assert float(ds["chance"].sel(task="tiny_mc")) == pytest.approx(np.mean([1 / len(d["choices"]) for d in DOCS]))
     assert int(ds["n_samples"].sel(task="tiny_mc")) == len(DOCS) and int(ds["n_shot"].sel(task="tiny_mc")) == 0
     assert "tiny_mc: 8 documents, 0-shot" in stdout and f"wrote {out}" in stdout
+
+
+def test_exit_rules_score_each_token_at_its_real_exit_depth_as_a_hand_computation(harness, checkpoint, tmp_path):
+    from analysis.downstream import open_downstream
+    from trainer.exits import CRITERIA
+
+    out = tmp_path / "exits.h5"
+    rules = ("entropy:4.99", "maxprob:0", "kl:0")  # fires per token; at once (depth 1); never (depth 3)
+    options = [arg for rule in rules for arg in ("--exit", rule)]
+    code, stdout, stderr_text = run(
+        "lm-eval", checkpoint, "--tasks", "tiny_mc", "--include-path", TASKS, "--serving", "1-3",
+        "--batch-size", BATCH_SIZE, *options, "--out", out, "--no-progress",
+    )  # fmt: skip
+    assert code == 0, stderr_text
+    assert "exit entropy:4.99 (mean depth " in stdout
+    ds = open_downstream(out).sel(task="tiny_mc")
+    assert ds["exit"].values.tolist() == list(rules)
+    for rule, depth in (("maxprob:0", 1), ("kl:0", 3)):
+        assert float(ds["exit_mean_depth"].sel(exit=rule)) == depth
+        for metric in ("acc", "acc_norm", "acc_stderr"):
+            assert float(ds[f"exit_{metric}"].sel(exit=rule)) == float(ds[metric].sel(serving_depth=depth)), rule
+
+    served: list[int] = []
+    hand = hand_accuracies(hand_log_likelihoods(checkpoint, 3, exit_rule=(CRITERIA["entropy"], 4.99), served=served))
+    for metric in ("acc", "acc_norm"):
+        assert float(ds[f"exit_{metric}"].sel(exit="entropy:4.99")) == pytest.approx(hand[metric].mean(), abs=1e-12)
+    # lm-eval asks each (document, choice) once, so the mean over its requests is the hand mean.
+    assert float(ds["exit_mean_depth"].sel(exit="entropy:4.99")) == pytest.approx(np.mean(served), rel=1e-12)
+    assert 1 < np.mean(served) < 3, "the rule stops no token, or every token, early: it tests nothing"
+
+    code, _, stderr_text = run(
+        "lm-eval", checkpoint, "--tasks", "tiny_mc", "--include-path", TASKS, "--exit", "kl",
+        "--out", tmp_path / "bad.h5",
+    )  # fmt: skip
+    assert code == 2 and "--exit kl: expected CRITERION:THRESHOLD" in stderr_text, stderr_text
+    assert not (tmp_path / "bad.h5").exists()
 
 
 def test_every_depth_comes_from_one_pass_per_request_batch(evaluated):

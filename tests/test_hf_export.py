@@ -99,6 +99,15 @@ def test_from_pretrained_gives_the_checkpoints_logits_loss_and_generation_at_eve
         separate = [F.cross_entropy(by_depth[s].flatten(0, 1), targets.flatten()) for s in (1, 4, 16)]
         torch.testing.assert_close(one_pass, torch.stack(separate), rtol=0, atol=2e-6)
 
+        # Real per-token exit: the folder's model stops the same tokens as the checkpoint's, to the bit.
+        def exits(k, state, logits):  # a rule that reads the readout: stops vary by token
+            return logits.argmax(-1) % 4 == k % 4
+
+        exited, depths = loaded.forward_with_exit(tokens, 16, exits)
+        expected_logits, expected_depths = reference.forward_with_exit(tokens, 16, exits)
+        assert torch.equal(exited, expected_logits) and torch.equal(depths, expected_depths)
+        assert len(depths.unique()) > 2, depths
+
         # Generation: the whole window per token, never the last token alone, whatever use_cache says.
         prompt = tokens[:1, :8]
         generated = loaded.generate(prompt, max_new_tokens=6, do_sample=False)  # 14 > max_seq_len: the window slides
@@ -456,14 +465,15 @@ def test_lm_eval_hf_serves_the_export_as_the_checkpoint_at_every_depth(bin_run, 
     source, out, _, _ = bin_run
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))
     monkeypatch.chdir(ROOT)  # the task file names its data relative to the repository
-    common = ["--tasks", "tiny_mc", "--include-path", str(TASKS), "--serving", "1,4", "--no-progress"]
+    common = ["--tasks", "tiny_mc", "--include-path", str(TASKS), "--serving", "1,4", "--exit", "kl:1e-2"]
+    common += ["--no-progress"]
     results = {}
     for name, model in (("checkpoint", [str(source)]), ("hf", ["--hf", str(out), "--trust-remote-code"])):
         code = CliRunner().invoke(main, ["lm-eval", *model, *common, "--out", str(tmp_path / f"{name}.h5")])
         assert code.exit_code == 0, code.stderr
         results[name] = open_downstream(tmp_path / f"{name}.h5").sel(task="tiny_mc")
-    for metric in ("acc", "acc_norm"):
+    for metric in ("acc", "acc_norm", "exit_acc", "exit_acc_norm", "exit_mean_depth"):
         assert results["hf"][metric].values.tolist() == pytest.approx(
             results["checkpoint"][metric].values.tolist(), abs=1e-9
-        )
+        ), metric
     assert results["hf"].attrs["model_family"] == "depthdiag" and results["hf"].attrs["hf_folder"] == str(out)

@@ -24,6 +24,7 @@ previous depth's `Readout`), named on the command line as MODULE:NAME.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -129,16 +130,30 @@ CRITERIA = {
 maxprob 1 - tau, from 0.999 down to 0.5); Huginn's 5e-4 for kl lies inside its range."""
 
 
-def criterion_named(spec: str) -> Criterion:
-    """The shipped criterion `spec`, or the `Criterion` a MODULE:NAME spec names."""
+def criterion_named(spec: str, option: str = "--criteria") -> Criterion:
+    """The shipped criterion `spec`, or the `Criterion` a MODULE:NAME spec names (`option`: the
+    command-line option it came from, for messages)."""
     if spec in CRITERIA:
         return CRITERIA[spec]
     if ":" not in spec:
-        raise InputError(f"--criteria {spec}: not one of {', '.join(CRITERIA)}, nor MODULE:NAME")
-    found = import_named(spec, "--criteria", "MODULE:NAME", "my_exits:margin")
+        raise InputError(f"{option} {spec}: not one of {', '.join(CRITERIA)}, nor MODULE:NAME")
+    found = import_named(spec, option, "MODULE:NAME", "my_exits:margin")
     if not isinstance(found, Criterion):
-        raise InputError(f"--criteria {spec}: names a {type(found).__name__}, not a trainer.exits.Criterion")
+        raise InputError(f"{option} {spec}: names a {type(found).__name__}, not a trainer.exits.Criterion")
     return found
+
+
+def exit_rule(spec: str, option: str = "--exit") -> tuple[Criterion, float]:
+    """'kl:5e-4' (or 'MODULE:NAME:TAU') as (criterion, threshold): the criterion that serves
+    each token at the first depth where it fires at that threshold."""
+    name, sep, value = spec.rpartition(":")
+    try:
+        threshold = float(value) if sep and name else math.nan
+    except ValueError:
+        threshold = math.nan
+    if not math.isfinite(threshold):
+        raise InputError(f"{option} {spec}: expected CRITERION:THRESHOLD, e.g. kl:5e-4")
+    return criterion_named(name, option), threshold
 
 
 @dataclass(frozen=True)

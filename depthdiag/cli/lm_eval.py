@@ -57,6 +57,15 @@ from depthdiag.cli.options import (
     required=True,
     help="The results file (xarray/HDF5): every metric over task x serving depth.",
 )
+@click.option(
+    "--exit",
+    "exits",
+    multiple=True,
+    metavar="CRITERION:THRESHOLD",
+    help="Also score every task with real per-token exit (repeatable), e.g. kl:5e-4: each token served at the "
+    "first iteration where the criterion (kl, l2, entropy, maxprob or MODULE:NAME, as `depthdiag exits`) fires, "
+    "at most the deepest --serving depth; log-likelihood tasks only. depthdiag's own models.",
+)
 @click.option("--force", is_flag=True, help="Overwrite an existing --out file.")
 @eval_batch_size_option("--batch-size")
 @device_option
@@ -73,6 +82,7 @@ def lm_eval_run(
     num_fewshot: int | None,
     tokenizer: Path | None,
     out: Path,
+    exits: tuple[str, ...],
     force: bool,
     batch_size: int,
     device: str,
@@ -86,7 +96,8 @@ def lm_eval_run(
 
     \b
     Every request is scored at all serving depths from one pass of the deepest, so depths
-    1-16 cost about one evaluation at depth 16 (generation tasks decode once per depth).
+    1-16 cost about one evaluation at depth 16 (generation tasks decode once per depth);
+    each --exit rule adds one forward per request batch.
     Example (the paper's Figure 3, bottom row):
       depthdiag lm-eval runs/x/checkpoints/latest.pt --tasks hellaswag,piqa,arc_easy \\
         --serving 1-16 --out results/x-downstream.h5
@@ -104,6 +115,7 @@ def lm_eval_run(
         hf=hf,
         tasks=parse_tasks(tasks),
         serving_depths=parse_serving_depths(serving, limit=max_depth),
+        exits=exits,
         include_path=include_path,
         limit=limit,
         num_fewshot=num_fewshot,

@@ -14,6 +14,12 @@ The wrapper answers lm-eval's three request types at serving depth `depth`:
 - `generate_until`: greedy decoding at `depth`, one request at a time, the full window
   recomputed per token (the model keeps no key-value cache).
 
+With `exits` (e.g. ["kl:5e-4"]: CRITERION:THRESHOLD, trainer/exits.py), the log-likelihoods are
+also computed with real per-token exit (`forward_with_exit`: each token served at the first
+iteration where the criterion fires, a stopped token frozen for the tokens after it, at most
+the deepest of `depths`), one forward per rule and request batch; `set_depth("kl:5e-4")` then
+answers at that adaptive depth, and `mean_exit_depth` says how deep the scored tokens went.
+
 A context longer than the model's max_seq_len is truncated from the left, as lm-eval's
 Hugging Face wrapper does: the last max_seq_len + 1 tokens of context + continuation are
 kept. A continuation that alone is longer than the window has its first tokens dropped
@@ -46,6 +52,7 @@ from common.progress import progress_bar
 from trainer.checkpoint import load_snapshot
 from trainer.data.text_tokens import FileTokenizer, resolve_tokenizer
 from trainer.distributed import resolve_device
+from trainer.exits import ExitDecisions, exit_rule
 
 MODEL_NAME = "depthdiag"
 """The name the wrapper is registered under (`lm_eval --model depthdiag`)."""
@@ -77,6 +84,10 @@ class ServedModel:
     """What lm-eval stores about it (get_model_info) and results files record."""
 
 
+RequestKey = tuple[tuple[int, ...], tuple[int, ...]]
+"""A log-likelihood request as (context token ids, continuation token ids)."""
+
+
 @dataclass(frozen=True)
 class _Row:
     """One scored sequence: the model input, its targets, and how many trailing targets to score."""
@@ -92,7 +103,8 @@ class DepthdiagLM(TemplateLM):
 
     `depths`: the serving depths every log-likelihood is computed at from one pass (default:
     `depth` alone); `depth` may be changed afterwards to any of them (`set_depth`), and the
-    requests answered before are then answered again without a forward.
+    requests answered before are then answered again without a forward. `exits`: exit rules
+    (CRITERION:THRESHOLD) every log-likelihood is also computed at, served by `set_depth(rule)`.
     """
 
     def __init__(
@@ -102,6 +114,7 @@ class DepthdiagLM(TemplateLM):
         *,
         served: ServedModel | None = None,
         depths: Sequence[int] | None = None,
+        exits: Sequence[str] = (),
         tokenizer: str | Path | None = None,
         batch_size: int | str | None = None,
         max_batch_size: int | None = None,
@@ -131,17 +144,30 @@ class DepthdiagLM(TemplateLM):
             self.model, self.tokenizer, self._max_length = served.model, served.tokenizer, served.max_length
         self.batch_size = _batch_size(batch_size)
         self.progress = progress
-        self.depth = int(depth) if depth is not None else self.depths[-1]
-        self._scores: dict[tuple[tuple[int, ...], tuple[int, ...]], dict[int, tuple[float, bool]]] = {}
+        self.exit_rules = {spec: exit_rule(spec) for spec in dict.fromkeys(exits)}
+        """CRITERION:THRESHOLD -> (criterion, threshold): the adaptive depths served besides `depths`."""
+        if self.exit_rules and not callable(getattr(self.model, "forward_with_exit", None)):
+            raise InputError(f"{checkpoint or served.name}: the model has no forward_with_exit (real per-token exit)")
+        self.depth: int | str = int(depth) if depth is not None else self.depths[-1]
+        self._scores: dict[RequestKey, dict[int | str, tuple[float, bool]]] = {}
+        self._exit_depths: dict[RequestKey, dict[str, tuple[int, int]]] = {}
+        self._served: dict[str, list[int]] = {spec: [0, 0] for spec in self.exit_rules}
         self.forward_passes = 0
         """One-pass forwards run so far (every requested depth read out of each)."""
         self._warned_truncation = False
 
-    def set_depth(self, depth: int) -> None:
-        """Answer from now on at serving depth `depth`, one of `depths`."""
-        if depth not in self.depths:
+    def set_depth(self, depth: int | str) -> None:
+        """Answer from now on at serving depth `depth`, one of `depths`, or at the adaptive depth
+        of one of `exits` (its CRITERION:THRESHOLD)."""
+        if depth not in self.depths and depth not in self.exit_rules:
             raise InputError(f"serving depth {depth} is not among the depths computed ({list(self.depths)})")
         self.depth = depth
+
+    def mean_exit_depth(self, spec: str) -> float:
+        """The mean depth the exit rule `spec` served the scored tokens of the requests answered
+        with it at (each request as often as lm-eval asked it); NaN before any."""
+        total, tokens = self._served[spec]
+        return total / tokens if tokens else float("nan")
 
     # lm-eval's interface -----------------------------------------------------------------------
 
@@ -195,6 +221,10 @@ class DepthdiagLM(TemplateLM):
         answers = []
         for (strings, _, _), key in zip(requests, keys):
             answer = self._scores[key][self.depth]
+            if self.depth in self.exit_rules:
+                total, tokens = self._exit_depths[key][self.depth]
+                self._served[self.depth][0] += total
+                self._served[self.depth][1] += tokens
             if strings is not None:
                 self.cache_hook.add_partial("loglikelihood", strings, answer)
             answers.append(answer)
@@ -222,18 +252,22 @@ class DepthdiagLM(TemplateLM):
         ids = torch.zeros((len(rows), width), dtype=torch.long)
         for i, row in enumerate(rows):
             ids[i, : len(row.inputs)] = torch.tensor(row.inputs)
-        results: list[dict[int, tuple[float, bool]]] = [{} for _ in rows]
+        ids = ids.to(self._device)
+        results: list[dict[int | str, tuple[float, bool]]] = [{} for _ in rows]
         self.forward_passes += 1
-        for depth, logits in self.model.logits_by_depth(ids.to(self._device), self.depths):
-            for i, row in enumerate(rows):
+        for depth, logits in self.model.logits_by_depth(ids, self.depths):
+            for result, answer in zip(results, _answers(logits, rows)):
+                result[depth] = answer
+        served: list[dict[str, tuple[int, int]]] = [{} for _ in rows]
+        for spec, (criterion, threshold) in self.exit_rules.items():
+            logits, exit_depth = self.model.forward_with_exit(ids, self.depths[-1], ExitDecisions(criterion, threshold))
+            for i, (row, answer) in enumerate(zip(rows, _answers(logits, rows))):
+                results[i][spec] = answer
                 end = len(row.inputs)
-                log_probs = logits[i, end - row.scored : end].float().log_softmax(-1)
-                targets = torch.tensor(row.targets[-row.scored :], device=log_probs.device)
-                log_likelihood = log_probs.gather(-1, targets[:, None]).sum()
-                greedy = bool((log_probs.argmax(-1) == targets).all())
-                results[i][depth] = (float(log_likelihood), greedy)
-        for key, result in zip(batch, results):
+                served[i][spec] = (int(exit_depth[i, end - row.scored : end].sum()), row.scored)
+        for key, result, depths in zip(batch, results, served):
             self._scores[key] = result
+            self._exit_depths[key] = depths
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Log-likelihood of whole texts, in disjoint windows of max_seq_len tokens each
@@ -272,6 +306,8 @@ class DepthdiagLM(TemplateLM):
         return outputs
 
     def _generate(self, context: str, options: dict) -> str:
+        if self.depth in self.exit_rules:
+            raise InputError(f"exit rule {self.depth}: scores log-likelihood tasks only, not generation")
         until = options.pop("until", None) or []
         stops = [until] if isinstance(until, str) else list(until)
         max_tokens = int(options.pop("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
@@ -289,6 +325,19 @@ class DepthdiagLM(TemplateLM):
             if cuts:
                 return text[: min(cuts)]
         return text
+
+
+def _answers(logits: torch.Tensor, rows: list[_Row]) -> list[tuple[float, bool]]:
+    """(log-likelihood of its scored targets, whether each is the greedy choice) of every row,
+    from logits [B, T, V] of the padded batch."""
+    answers = []
+    for i, row in enumerate(rows):
+        end = len(row.inputs)
+        log_probs = logits[i, end - row.scored : end].float().log_softmax(-1)
+        targets = torch.tensor(row.targets[-row.scored :], device=log_probs.device)
+        log_likelihood = log_probs.gather(-1, targets[:, None]).sum()
+        answers.append((float(log_likelihood), bool((log_probs.argmax(-1) == targets).all())))
+    return answers
 
 
 def _device(device: str | None) -> torch.device:

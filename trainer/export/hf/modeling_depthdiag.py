@@ -9,6 +9,7 @@ config.json's auto_map. It may import only relatively: the folder is all it has.
     model(input_ids, labels=input_ids)     also .loss, the mean next-token cross-entropy
     model.generate(input_ids, ...)         every new token from a forward over the whole window
     model.nll_by_depth(ids, targets, [1, 4, 16])   the mean NLL at each depth from one pass
+    model.forward_with_exit(ids, 16, exits)        per-token early exit: (logits, exit depth [B, T])
 
 The looped transformer keeps no key-value cache, so generation recomputes the window (the
 last max_seq_len tokens) for every token, whatever `use_cache` says.
@@ -111,6 +112,14 @@ class DepthdiagForCausalLM(PreTrainedModel, GenerationMixin):
         float32 [len(depths)]: how depthdiag's diagnostic and monitor score this model at many
         serving depths for the price of the deepest."""
         return self.model.nll_by_depth(input_ids, targets, depths)
+
+    def forward_with_exit(self, input_ids: torch.Tensor, max_depth: int, exits) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token early exit as adaptive-compute generation runs it (LoopedTransformer.forward_with_exit):
+        after iteration k, `exits(k, state [B, T, d], logits [B, T, V])` returns bool [B, T], the
+        tokens that stop there; a stopped token's state and its keys and values stay those of its
+        last iteration for the tokens still running. Returns (logits [B, T, V], exit depth int64
+        [B, T]). `depthdiag exits --real-exit` and `depthdiag lm-eval --exit` serve this model with it."""
+        return self.model.forward_with_exit(input_ids, max_depth, exits)
 
     def prepare_inputs_for_generation(
         self,
