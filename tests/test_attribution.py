@@ -4,18 +4,20 @@ For update depths (a, b), batch rows i and serving depths s:
 
     g_K,i = grad of row i's summed token loss at training depth K / the batch's counted targets
     kappa_K = min(1, clip / (||g_K|| + 1e-6)),  u_K = J kappa_K g_K,  c_a = 1, c_b = RMS(u_a) / RMS(u_b)
+              (geomean: c_K = G / RMS(u_K); per-tensor: c_K,p = RMS(u_a,p) / RMS(u_K,p), tensor by tensor)
     e_s   = grad of the evaluation NLL at serving depth s
     attribution(i, s) = e_s . J (c_a kappa_a g_a,i - c_b kappa_b g_b,i),  linear_benefit(s) = e_s . (c_a u_a - c_b u_b)
 
 The reference shares nothing with the engine: per-row gradients from plain forwards and
 autograd (one sequence at a time, or rows of one batched forward from the engine's seed for a
 forward that draws noise), J applied by central differences of torch's own `optimizer.step()` on
-deep copies. Checked: agreement to 1e-6 (a LoopedTransformer with AdamW and SGD; truncated
+deep copies. Checked: agreement to 1e-6 (a LoopedTransformer with AdamW and SGD, RMS matched to
+the reference, the geometric mean, tensor by tensor, or not at all; truncated
 backprop: the same model truncating in its own forward, and a Huginn-convention model called with
 a pair depth, with and without a random initial state; e_s is the derivative of the evaluation
 NLL, so the reference takes it through every iteration even where the forward detaches some),
 that the batch rows sum to linear_benefit with or without a pool, that plausible bugs (no
-clipping, no RMS matching, the sign, the wrong target count) sit far outside the tolerance, that
+clipping, another RMS matching, the sign, the wrong target count) sit far outside the tolerance, that
 linear_benefit is the diagnostic's benefit to first order, and the refusals of bad input.
 """
 
@@ -161,6 +163,7 @@ def reference(model, optimizer, batch, eval_tokens, forwards, depths, clip, pool
     rows = batch if pool is None else torch.cat((batch, pool))
     count = (batch[:, 1:] != -1).sum()
     parts = {"eval": eval_gradients(model, forwards["serve"], eval_tokens, random)}
+    parts["sizes"] = [p.numel() for p in model.parameters()]
     for k in depths:
         g_rows = row_gradients(model, forwards["train"], rows, k, count, random)
         logits = seeded(CRN_SEED, forwards["train"], model.train(), batch[:, :-1], k)  # g_K from its own forward
@@ -173,15 +176,44 @@ def reference(model, optimizer, batch, eval_tokens, forwards, depths, clip, pool
     return parts
 
 
-def assemble(parts, depths, *, clipped=True, matched=True, sign=1.0):
-    """(attribution [R, S], linear_benefit [S], kappa, c) from the pieces; the keywords make the wrong variants."""
+def matching_scales(u, depths, mode, sizes):
+    """{K: c_K [P]}: each element's RMS-matching factor (constant per tensor), from the clipped
+    updates u_K [P]: reference c_a = 1, c_b = RMS(u_a) / RMS(u_b); geomean c_K = G / RMS(u_K) with
+    G = exp(mean_K log RMS(u_K)); per-tensor c_K,p = RMS(u_a,p) / RMS(u_K,p) (1 where u_K,p = 0);
+    none: 1."""
+    rms = {k: float(u[k].square().mean().sqrt()) for k in depths}
+    if mode == "none":
+        factors = {k: 1.0 for k in depths}
+    elif mode == "reference":
+        factors = {k: rms[depths[0]] / rms[k] for k in depths}
+    elif mode == "geomean":
+        target = float(np.exp(np.mean(np.log(list(rms.values())))))
+        factors = {k: target / rms[k] for k in depths}
+    else:
+        pieces = {k: u[k].split(sizes) for k in depths}
+        piece_rms = {k: [float(x.square().mean().sqrt()) for x in pieces[k]] for k in depths}
+        return {
+            k: torch.cat(
+                [
+                    torch.full((n,), ref / own if own > 0 else 1.0, dtype=u[k].dtype)
+                    for n, ref, own in zip(sizes, piece_rms[depths[0]], piece_rms[k])
+                ]
+            )
+            for k in depths
+        }
+    return {k: torch.full_like(u[k], factors[k]) for k in depths}
+
+
+def assemble(parts, depths, *, clipped=True, mode="reference", sign=1.0):
+    """(attribution [R, S], linear_benefit [S], kappa, c {K: [P]}) from the pieces; the keywords
+    make the wrong variants (mode "none": no RMS matching)."""
     a, b = depths
     kappa = {k: parts[k]["kappa"] if clipped else 1.0 for k in depths}
     u = {k: kappa[k] * parts[k]["update"] for k in depths}
-    c_b = float(u[a].square().mean().sqrt() / u[b].square().mean().sqrt()) if matched else 1.0
-    rows = kappa[a] * parts[a]["rows"] - c_b * kappa[b] * parts[b]["rows"]
+    c = matching_scales(u, depths, mode, parts["sizes"])
+    rows = c[a] * kappa[a] * parts[a]["rows"] - c[b] * kappa[b] * parts[b]["rows"]
     e = parts["eval"]
-    return (sign * rows @ e.T).numpy(), (sign * e @ (u[a] - c_b * u[b])).numpy(), kappa, c_b
+    return (sign * rows @ e.T).numpy(), (sign * e @ (c[a] * u[a] - c[b] * u[b])).numpy(), kappa, c
 
 
 # --- the cases -------------------------------------------------------------------------------
@@ -214,6 +246,8 @@ CASES = {
     "looped-adamw": (looped_model, LOOPED, None, adamw, 3, (1, 3), False, "reference"),
     "looped-sgd": (looped_model, LOOPED, None, sgd, 2, (1, 3), False, "reference"),
     "looped-sgd-unmatched": (looped_model, LOOPED, None, sgd, 2, (1, 3), False, "none"),
+    "looped-adamw-geomean": (looped_model, LOOPED, None, adamw, 3, (1, 3), False, "geomean"),
+    "looped-adamw-per-tensor": (looped_model, LOOPED, None, adamw, 3, (1, 3), False, "per-tensor"),
     "self-truncated-sgd": (lambda: looped_model(1), SELF, SELF_TRUNCATED, sgd, 2, (1, 3), False, "reference"),
     "truncated-adamw": (lambda: huginn_model(0.0), HUGINN, TRUNCATED, adamw, 3, (2, 4), False, "reference"),
     "truncated-noise-adamw": (lambda: huginn_model(1.0), HUGINN, TRUNCATED, adamw, 3, (2, 4), True, "reference"),
@@ -268,11 +302,14 @@ def far(got, want, by=1e-4):
 @pytest.mark.parametrize("name", list(CASES))
 def test_attribution_matches_the_reference(name):
     got, parts, depths = run_case(name), reference_case(name), CASES[name][5]
-    matched = CASES[name][-1] == "reference"
-    attribution, linear_benefit, kappa, c_b = assemble(parts, depths, matched=matched)
+    mode = CASES[name][-1]
+    attribution, linear_benefit, kappa, c = assemble(parts, depths, mode=mode)
     assert all(kappa[k] < 1 for k in depths)  # clipping is active
     np.testing.assert_allclose(got["clip_coefficient"].values, [kappa[k] for k in depths], rtol=1e-6)
-    np.testing.assert_allclose(got["rms_scale"].values, [1.0, c_b], rtol=1e-6)
+    if mode == "per-tensor":  # the factors differ between tensors: the case tests them
+        assert len(set(c[depths[1]].tolist())) > 2
+    else:  # one factor per depth
+        np.testing.assert_allclose(got["rms_scale"].values, [float(c[k][0]) for k in depths], rtol=1e-6)
     assert got["attribution"].dims == ("example", "serving_depth") and got["attribution"].shape == attribution.shape
     assert list(got["serving_depth"].values) == list(SERVING)
     assert_close(got["attribution"].values, attribution)
@@ -292,15 +329,16 @@ def test_batch_rows_sum_to_linear_benefit(with_pool):
         assert np.abs(got["attribution"].values[~in_batch]).min() > 0
 
 
-@pytest.mark.parametrize("name", ["looped-adamw", "truncated-adamw"])
+@pytest.mark.parametrize("name", ["looped-adamw", "truncated-adamw", "looped-adamw-per-tensor"])
 def test_wrong_definitions_are_far_outside_the_tolerance(name):
-    got, parts, depths = run_case(name), reference_case(name), CASES[name][5]
+    got, parts, depths, mode = run_case(name), reference_case(name), CASES[name][5], CASES[name][-1]
     attribution, linear_benefit = got["attribution"].values, got["linear_benefit"].values
-    for wrong in ({"clipped": False}, {"matched": False}, {"sign": -1.0}):
+    other_modes = [{"mode": m} for m in ("none", "reference", "geomean", "per-tensor") if m != mode]
+    for wrong in ({"clipped": False, "mode": mode}, *other_modes, {"sign": -1.0, "mode": mode}):
         want, want_benefit, _, _ = assemble(parts, depths, **wrong)
         assert far(attribution, want) and far(linear_benefit, want_benefit), wrong
     # Dividing by B*T, the ignored target counted: 1/30 off.
-    want, want_benefit, _, _ = assemble(parts, depths)
+    want, want_benefit, _, _ = assemble(parts, depths, mode=mode)
     assert far(attribution, want * (3 * SEQ - 1) / (3 * SEQ)) and far(
         linear_benefit, want_benefit * (3 * SEQ - 1) / (3 * SEQ)
     )
