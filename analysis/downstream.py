@@ -16,8 +16,8 @@ exact_match_strict_match); a metric a task does not report is NaN for it. `chanc
 accuracy of a uniform guess (multiple-choice tasks; NaN for the others). Coordinates:
 `task` (str) with `n_samples` (documents evaluated) and `n_shot` along it, `serving_depth`, and
 with exit rules `exit` (str: CRITERION:THRESHOLD, each token served at the first iteration where
-the criterion fires, real per-token exit). `exit_mean_depth` is the mean depth the scored
-continuation tokens of every request were served at.
+the criterion fires, real per-token exit). `exit_mean_depth` is the mean depth at which the rule
+stopped the positions predicting the scored continuation tokens, pooled over all tasks.
 Attributes: `kind` = 'lm_eval', the checkpoint's path, sha256 and run config, the tokenizer,
 `lm_eval_version`, `task_versions`, `task_configs` and `n_shot` (JSON), `limit`.
 """
@@ -126,7 +126,11 @@ def downstream_dataset(
         variables[EXIT_DEPTH] = (
             ("exit",),
             np.array([float((exit_depth or {}).get(rule, math.nan)) for rule in rules]),
-            {"long_name": "mean depth the scored continuation tokens were served at", "units": "iterations"},
+            {
+                "long_name": "mean depth at which the rule stopped the positions predicting the scored "
+                "continuation tokens, pooled over all tasks",
+                "units": "iterations",
+            },
         )
     variables["chance"] = (
         ("task",),
@@ -191,8 +195,11 @@ def validate_downstream(ds: xr.Dataset, source) -> None:
     metrics = [name for name in ds.data_vars if name != "chance"]
     if not metrics:
         raise InputError(f"{source}: holds no metric")
+    exits = "exit" in ds.dims
+    if exits and (ds["exit"].dtype.kind not in "UOS" or EXIT_DEPTH not in ds.data_vars):
+        raise InputError(f"{source}: an 'exit' dimension needs string exit rules and {EXIT_DEPTH!r}")
     for name in metrics:
-        dims = (("exit",) if name == EXIT_DEPTH else EXIT_DIMS) if name.startswith(EXIT_PREFIX) else DIMS
+        dims = (("exit",) if name == EXIT_DEPTH else EXIT_DIMS) if exits and name.startswith(EXIT_PREFIX) else DIMS
         if ds[name].dims != dims or not np.issubdtype(ds[name].dtype, np.floating):
             raise InputError(f"{source}: variable {name!r} is not floating point over {dims}")
     if "chance" not in ds.data_vars or ds["chance"].dims != ("task",):

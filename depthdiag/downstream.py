@@ -77,6 +77,11 @@ class DownstreamConfig:
             raise InputError(f"--tasks names {', '.join(repeated)} more than once")
         if not self.serving_depths:
             raise InputError("no serving depths given")
+        from trainer.exits import exit_rule
+
+        object.__setattr__(self, "exits", tuple(dict.fromkeys(self.exits)))
+        for spec in self.exits:
+            exit_rule(spec)  # a bad rule is refused before anything loads
         if self.limit is not None:
             limit = self.limit
             if not math.isfinite(limit) or limit <= 0 or (limit >= 1 and limit != int(limit)):
@@ -180,6 +185,12 @@ def evaluate_downstream(config: DownstreamConfig) -> xr.Dataset:
     manager = task_manager(config.include_path, config.tasks)
     check_tasks(manager, config.tasks, config.include_path)
     loaded = load_tasks(manager, config.tasks, config.num_fewshot)
+    generating = [name for name, task in loaded["tasks"].items() if task.OUTPUT_TYPE == "generate_until"]
+    if config.exits and generating:
+        raise InputError(
+            f"--exit: scores log-likelihood tasks only; {', '.join(generating)} generate text "
+            "(evaluate them without --exit)"
+        )
     device = resolve_device(config.device)
     served = None if config.hf is None else served_hf_model(config.hf, config.tokenizer, device)
     model = DepthdiagLM(
@@ -228,6 +239,7 @@ def evaluate_downstream(config: DownstreamConfig) -> xr.Dataset:
         "limit": "none" if config.limit is None else config.limit,
         "tasks": ",".join(config.tasks),
         "forward_passes": model.forward_passes,
+        "exit_forward_passes": model.exit_forward_passes,
         "eval_seconds": round(time.time() - started, 3),
         "settings": json.dumps(
             {key: str(value) for key, value in dataclasses.asdict(config).items() if key != "progress"}, sort_keys=True

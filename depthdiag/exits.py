@@ -76,9 +76,10 @@ def exits_of_checkpoints(
     `trust_remote_code` runs the code a folder's Hugging Face model ships with."""
     from diag.sources.evalset import evaluation_set, resolve_eval_set
     from diag.sources.groupings import target_groupings
-    from trainer.checkpoint import load_snapshot
+    from trainer.checkpoint import is_sharded_folder, load_snapshot
 
-    folders = [path for path in paths if Path(path).is_dir()]
+    # A sharded checkpoint (NAME.dcp/) is a folder too, read like a file.
+    folders = [path for path in paths if Path(path).is_dir() and not is_sharded_folder(path)]
     if folders and len(folders) < len(paths):
         raise InputError(f"{folders[0]}: a snapshot folder, among checkpoint files; give files or folders")
     if folders:
@@ -113,6 +114,8 @@ def _exits_of_folders(
     from diag.sources.groupings import target_groupings
     from diag.sources.snapshot_loading import read_snapshot_folder
 
+    if config.eval_set == "attributes":
+        raise InputError(f"--eval-set attributes: bioS runs' checkpoints only; {paths[0]} is a snapshot folder")
     target = resolve_device(config.device)
     runs = []
     for path in paths:
@@ -171,6 +174,8 @@ def _one_run(
     eval_set: str = "snapshot",
     **calls,
 ) -> xr.Dataset:
+    if config.real_exit and not callable(getattr(model, "forward_with_exit", None)):
+        raise InputError("--real-exit needs a model with forward_with_exit (depthdiag's own, or its hf export)")
     targets = tokens[:, 1:] if mask is None else tokens[:, 1:].masked_fill(~mask, IGNORE_INDEX)
     table = depth_table(
         model,

@@ -306,10 +306,12 @@ def test_attribution_matches_the_reference(name):
     attribution, linear_benefit, kappa, c = assemble(parts, depths, mode=mode)
     assert all(kappa[k] < 1 for k in depths)  # clipping is active
     np.testing.assert_allclose(got["clip_coefficient"].values, [kappa[k] for k in depths], rtol=1e-6)
+    # rms_scale: RMS(c_K u_K) / RMS(u_K), one factor per depth except tensor by tensor.
+    u = {k: kappa[k] * parts[k]["update"] for k in depths}
+    scales = [float((c[k] * u[k]).square().mean().sqrt() / u[k].square().mean().sqrt()) for k in depths]
+    np.testing.assert_allclose(got["rms_scale"].values, scales, rtol=1e-6)
     if mode == "per-tensor":  # the factors differ between tensors: the case tests them
         assert len(set(c[depths[1]].tolist())) > 2
-    else:  # one factor per depth
-        np.testing.assert_allclose(got["rms_scale"].values, [float(c[k][0]) for k in depths], rtol=1e-6)
     assert got["attribution"].dims == ("example", "serving_depth") and got["attribution"].shape == attribution.shape
     assert list(got["serving_depth"].values) == list(SERVING)
     assert_close(got["attribution"].values, attribution)

@@ -6,7 +6,9 @@ gone below it: input -> the one form the arithmetic takes -> units -> results st
 test_layers.py reads the imports; this file watches the calls, which also catch a module that
 reaches back up through an object it was handed. A function handed down as an argument and called
 back (a callback, such as the state function the scoring runs the model with) belongs to the
-module that handed it down: the caller never names it, so it is not a call back up."""
+module that handed it down: the caller never names it, so it is not a call back up. The same rule
+leaves out a call back up through getattr or functools.partial, and a generator resumed in
+another module than the one that made it: the trace sees the calls the code spells out."""
 
 import collections
 import sys
@@ -51,11 +53,12 @@ def traced_calls(run) -> collections.Counter:
         if named or code.co_name.startswith("__") or code.co_name == CALLED_BY_SYNTAX:
             edges[caller, callee] += 1
 
+    before = sys.getprofile()
     sys.setprofile(profile)
     try:
         run()
     finally:
-        sys.setprofile(None)
+        sys.setprofile(before)
     return edges
 
 

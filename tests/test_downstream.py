@@ -218,6 +218,22 @@ def test_exit_rules_score_each_token_at_its_real_exit_depth_as_a_hand_computatio
     assert not (tmp_path / "bad.h5").exists()
 
 
+def test_exit_rules_refuse_generation_tasks_before_evaluating(harness, checkpoint, tmp_path):
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    generation = (TASKS / "tiny_mc.yaml").read_text().replace("task: tiny_mc", "task: tiny_gen")
+    generation = generation.replace("output_type: multiple_choice", "output_type: generate_until")
+    generation = generation.replace('doc_to_choice: "{{choices}}"', "generation_kwargs:\n  until: ['\\n']")
+    (tasks / "tiny_gen.yaml").write_text(generation.replace("metric: acc_norm", "metric: exact_match"))
+    code, _, stderr_text = run(
+        "lm-eval", checkpoint, "--tasks", "tiny_gen", "--include-path", tasks, "--exit", "kl:1e-3",
+        "--out", tmp_path / "gen.h5",
+    )  # fmt: skip
+    assert code == 2 and "--exit: scores log-likelihood tasks only; tiny_gen generate text" in stderr_text
+    assert stderr_text.strip().splitlines()[-1].startswith("depthdiag: error: --exit: scores log-likelihood")
+    assert not (tmp_path / "gen.h5").exists()
+
+
 def test_every_depth_comes_from_one_pass_per_request_batch(evaluated):
     from analysis.downstream import open_downstream
 
@@ -469,3 +485,18 @@ def test_generation_is_greedy_at_the_depth_and_stops_before_the_stop_string(harn
     stop = greedy[5:7]
     (text,) = model.generate_until([Request(context, {"until": [stop], "max_gen_toks": 12})])
     assert text == greedy[: greedy.index(stop)]
+
+
+def test_exit_rules_refuse_a_served_model_without_a_real_exit(harness):
+    from huginn_convention import HuginnConvention
+
+    from common.errors import InputError
+    from diag import HUGINN
+    from diag.sources.hf import ServedAtDepth
+    from trainer.export.lm_harness import DepthdiagLM, ServedModel
+
+    served = ServedModel("huginn-folder", ServedAtDepth(HuginnConvention(vocab=16, d=8), HUGINN), None, 8, {})
+    assert not served.model.serves_exits
+    with pytest.raises(InputError, match="huginn-folder: its model family has no real per-token exit"):
+        DepthdiagLM(served=served, depth=2, exits=["kl:1e-3"])
+    DepthdiagLM(served=served, depth=2)  # without exit rules it serves

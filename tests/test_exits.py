@@ -325,3 +325,9 @@ def test_a_snapshot_folder_of_the_same_model_gives_the_checkpoints_results(run, 
     assert code == 2 and "a snapshot folder, among checkpoint files" in stderr, stderr
     code, _, stderr = run_cli("exits", run["checkpoint"], "--family", "huginn", "--out", tmp_path / "f.h5")
     assert code == 2 and "--family huginn: only with --hf DIR or snapshot folders" in stderr, stderr
+
+
+def test_a_sharded_checkpoint_folder_is_read_as_a_checkpoint_not_a_snapshot_folder(tmp_path):
+    (tmp_path / "step_000008.dcp").mkdir()
+    code, _, stderr = run_cli("exits", tmp_path / "step_000008.dcp", "--out", tmp_path / "e.h5")
+    assert code == 2 and "no meta.pt, so not a complete sharded depthdiag checkpoint" in stderr, stderr

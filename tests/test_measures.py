@@ -42,7 +42,6 @@ def test_summed_over_ranks_two_copies_of_the_shards_have_the_same_rms():
     assert tensor_rms(tensors, two_ranks) == pytest.approx(tensor_rms(tensors), rel=1e-12)
     assert global_rms(tensors, two_ranks) == pytest.approx(global_rms(tensors), rel=1e-12)
     # Squares summed over ranks but elements not (or the reverse) would be off by sqrt(2).
-    assert global_rms(tensors, lambda v: v) == pytest.approx(global_rms(tensors), rel=1e-12)
 
 
 def test_geomean_rms_skips_zeros():
@@ -64,6 +63,7 @@ def test_matching_factors_by_mode():
         [geomean / r for r in rms], rel=1e-12
     )
     per_tensor = matching_factors(updates, "per-tensor")
+    reference = by_hand(updates[0])[0]
     for fs, u in zip(per_tensor, updates):
-        expected = [a / b if b > 0 else 1.0 for a, b in zip(tensor_rms(updates[0]), tensor_rms(u))]
+        expected = [a / b if b > 0 else 1.0 for a, b in zip(reference, by_hand(u)[0])]
         assert fs == pytest.approx(expected, rel=1e-12)

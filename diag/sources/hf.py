@@ -195,14 +195,15 @@ class ServedAtDepth(nn.Module):
         for depth in sorted({int(d) for d in depths}):
             yield depth, self(input_ids, depth=depth)
 
+    @property
+    def serves_exits(self) -> bool:
+        """Whether the model has a real per-token exit (depthdiag's export: LoopedTransformer.forward_with_exit)."""
+        return callable(getattr(self.model, "forward_with_exit", None))
+
     def forward_with_exit(self, input_ids: Tensor, max_depth: int, exits) -> tuple[Tensor, Tensor]:
-        """The model's own real per-token exit (depthdiag's export has one: LoopedTransformer.forward_with_exit);
-        InputError for a model without one."""
-        if not callable(getattr(self.model, "forward_with_exit", None)):
-            raise InputError(
-                f"model family {self.family.name}: its model has no forward_with_exit, so it cannot be served with "
-                "real per-token exit (depthdiag's own export --format hf has one)"
-            )
+        """The model's own real per-token exit; InputError for a model without one."""
+        if not self.serves_exits:
+            raise InputError(f"model family {self.family.name}: no real per-token exit (forward_with_exit)")
         with common_random_numbers():
             return self.model.forward_with_exit(input_ids, max_depth, exits)
 

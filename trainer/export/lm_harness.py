@@ -146,26 +146,33 @@ class DepthdiagLM(TemplateLM):
         self.progress = progress
         self.exit_rules = {spec: exit_rule(spec) for spec in dict.fromkeys(exits)}
         """CRITERION:THRESHOLD -> (criterion, threshold): the adaptive depths served besides `depths`."""
-        if self.exit_rules and not callable(getattr(self.model, "forward_with_exit", None)):
-            raise InputError(f"{checkpoint or served.name}: the model has no forward_with_exit (real per-token exit)")
+        if self.exit_rules and not getattr(self.model, "serves_exits", True):
+            raise InputError(
+                f"{served.name}: its model family has no real per-token exit (forward_with_exit), so --exit cannot "
+                "serve it; depthdiag's own checkpoints and export --format hf folders have one"
+            )
         self.depth: int | str = int(depth) if depth is not None else self.depths[-1]
         self._scores: dict[RequestKey, dict[int | str, tuple[float, bool]]] = {}
         self._exit_depths: dict[RequestKey, dict[str, tuple[int, int]]] = {}
         self._served: dict[str, list[int]] = {spec: [0, 0] for spec in self.exit_rules}
         self.forward_passes = 0
-        """One-pass forwards run so far (every requested depth read out of each)."""
+        """One-pass forwards run so far (every requested depth read out of each); the exit rules'
+        forwards, one per rule and request batch, are counted in `exit_forward_passes`."""
+        self.exit_forward_passes = 0
         self._warned_truncation = False
 
     def set_depth(self, depth: int | str) -> None:
         """Answer from now on at serving depth `depth`, one of `depths`, or at the adaptive depth
         of one of `exits` (its CRITERION:THRESHOLD)."""
         if depth not in self.depths and depth not in self.exit_rules:
-            raise InputError(f"serving depth {depth} is not among the depths computed ({list(self.depths)})")
+            computed = [*self.depths, *self.exit_rules]
+            raise InputError(f"serving depth {depth} is not among the depths and exit rules computed ({computed})")
         self.depth = depth
 
     def mean_exit_depth(self, spec: str) -> float:
-        """The mean depth the exit rule `spec` served the scored tokens of the requests answered
-        with it at (each request as often as lm-eval asked it); NaN before any."""
+        """The mean depth at which the exit rule `spec` stopped the positions that predict the
+        scored continuation tokens of the requests answered with it, pooled over all tasks (each
+        request as often as lm-eval asked it); NaN before any."""
         total, tokens = self._served[spec]
         return total / tokens if tokens else float("nan")
 
@@ -245,7 +252,7 @@ class DepthdiagLM(TemplateLM):
         return _Row(inputs, targets, scored)
 
     @torch.inference_mode()
-    def _score(self, batch: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
+    def _score(self, batch: list[RequestKey]) -> None:
         rows = [self._row(*key) for key in batch]
         width = max(len(row.inputs) for row in rows)
         # Right padding: causal attention keeps the padding out of every real position.
@@ -261,6 +268,7 @@ class DepthdiagLM(TemplateLM):
         served: list[dict[str, tuple[int, int]]] = [{} for _ in rows]
         for spec, (criterion, threshold) in self.exit_rules.items():
             logits, exit_depth = self.model.forward_with_exit(ids, self.depths[-1], ExitDecisions(criterion, threshold))
+            self.exit_forward_passes += 1
             for i, (row, answer) in enumerate(zip(rows, _answers(logits, rows))):
                 results[i][spec] = answer
                 end = len(row.inputs)
