@@ -126,7 +126,12 @@ def _exits_of_folders(
         groups = target_groupings(config.groupings, tokens, mask, run=None, eval_set=None, origin=path)
         model = adapted.model.eval()
         model_config = model.config if isinstance(model, LoopedTransformer) else None
-        attrs = {"snapshot_folder": str(path), "checkpoint_step": folder.step, "model_family": called.name}
+        attrs = {
+            "snapshot_folder": str(path),
+            "checkpoint_step": folder.step,
+            "model_family": called.name,
+            "config": folder.config_json(),
+        }
         runs.append(
             _one_run(
                 model,

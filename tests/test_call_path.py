@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 from click.testing import CliRunner
+from graph_helpers import find_cycle
 from helpers import write_run
 
 import diag
@@ -67,22 +68,7 @@ def module_cycle(edges) -> list[str] | None:
     graph = collections.defaultdict(set)
     for caller, callee in edges:
         graph[caller].add(callee)
-    state: dict[str, str] = {}
-    path: list[str] = []
-
-    def visit(node):
-        state[node] = "open"
-        path.append(node)
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == "open":
-                return path[path.index(nxt) :] + [nxt]
-            if nxt not in state and (cycle := visit(nxt)):
-                return cycle
-        path.pop()
-        state[node] = "done"
-        return None
-
-    return next((cycle for node in sorted(graph) if node not in state and (cycle := visit(node))), None)
+    return find_cycle(graph)
 
 
 def diagnose_calls(*args) -> collections.Counter:

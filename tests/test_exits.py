@@ -309,6 +309,7 @@ def test_a_snapshot_folder_of_the_same_model_gives_the_checkpoints_results(run, 
     file, folder_ds = results["file"], results["folder"]
     assert folder_ds["snapshot_folder"].values.tolist() == [str(folder)]
     assert folder_ds["model_family"].values.tolist() == ["keyword-depth"]
+    assert json.loads(str(folder_ds["config"].values[0]))["snapshot_folder"] == str(folder)
     for name in (
         "fixed_nll",
         "exit_nll",

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from graph_helpers import find_cycle
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("common", "trainer", "diag", "analysis", "depthdiag")
@@ -118,29 +119,6 @@ def test_common_uses_only_the_standard_library_and_tqdm():
         if name.split(".")[0] == "common":
             outside = {i.split(".")[0] for i in imports} - set(sys.stdlib_module_names) - {"common", "tqdm"}
             assert not outside, f"{name} imports {sorted(outside)}"
-
-
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import cycle of the project's modules as a path [a, b, ..., a], or None."""
-    state: dict[str, str] = {}
-    stack: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = "open"
-        stack.append(node)
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == "open":
-                return stack[stack.index(nxt) :] + [nxt]
-            if nxt not in state and (cycle := visit(nxt)):
-                return cycle
-        stack.pop()
-        state[node] = "done"
-        return None
-
-    for node in sorted(graph):
-        if node not in state and (cycle := visit(node)):
-            return cycle
-    return None
 
 
 def module_graph() -> dict[str, set[str]]:
