@@ -75,7 +75,7 @@ def _row(benchmark: str, measured: float, target: str, unit: str) -> dict:
 
 def figures(results: dict) -> list[dict]:
     """The table: one row per benchmark figure, with its target and whether it holds."""
-    train, diag, model = results["train"], results["diag"], results["model"]
+    train, diag, model, attribution = results["train"], results["diag"], results["model"], results["attribution"]
     training = [(train["settings"], f"{train['threads']} torch threads")]
     if train.get("settings_one_thread"):
         training.append((train["settings_one_thread"], "1 torch thread, as each job of `make figure4` runs"))
@@ -147,6 +147,24 @@ def figures(results: dict) -> list[dict]:
             "<= 1.3",
             "x",
         ),
+        _row(
+            "attributing a pool of 256 sequences at serving depths 1..16 vs one diagnostic unit",
+            attribution["time"]["pool_over_unit"]["256"],
+            "<= 4.0",
+            "x",
+        ),
+        _row(
+            "attribution's time, pool of 1,024 over 256, over the linear 4",
+            attribution["time"]["growth"] / attribution["time"]["expected_growth"],
+            "<= 1.2",
+            "",
+        ),
+        _row(
+            "attributing a pool of 1,024: peak memory over the unit's plus what the design keeps",
+            attribution["memory"]["pool_over_unit_and_kept"],
+            "<= 1.0",
+            "",
+        ),
         _row("`depthdiag --help` wall time", results["help_seconds"], "< 0.5", "s"),
     ]
 
@@ -173,6 +191,7 @@ def main() -> None:
     args = parser.parse_args()
     keep_freed_memory()  # as the commands do
 
+    import bench_attribution
     import bench_diag
     import bench_exits
     import bench_model
@@ -198,6 +217,8 @@ def main() -> None:
     results["scale"] = bench_scale.run(args.config)
     print("bench: exit criteria ...", file=sys.stderr, flush=True)
     results["exits"] = bench_exits.run(args.config)
+    print("bench: attribution ...", file=sys.stderr, flush=True)
+    results["attribution"] = bench_attribution.run(args.config)
     results["figures"] = figures(results)
     results["seconds"] = time.perf_counter() - began
     out = Path(args.out)

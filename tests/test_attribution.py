@@ -270,9 +270,8 @@ def setup(name):
     return model, optimizer, batch, eval_tokens, pool
 
 
-@functools.cache
-def run_case(name, with_pool=True, lr=None):
-    """The function's Dataset for one case (cached)."""
+def attribute_case(name, with_pool=True, lr=None):
+    """The function's Dataset for one case."""
     _, _, family, _, _, depths, _, rms = CASES[name]
     kwargs = {"depth_kwarg": "depth"} if family is None else {"family": family}
     model, optimizer, batch, eval_tokens, pool = setup(name)
@@ -280,6 +279,9 @@ def run_case(name, with_pool=True, lr=None):
         model, optimizer, batch, eval_tokens, update_depths=depths, serving_depths=SERVING, grad_clip=CLIP,
         rms_match=rms, lr=lr, pool=pool if with_pool else None, **kwargs,
     )  # fmt: skip
+
+
+run_case = functools.cache(attribute_case)
 
 
 @functools.cache
@@ -329,6 +331,54 @@ def test_batch_rows_sum_to_linear_benefit(with_pool):
         alone = run_case("looped-sgd", False)
         assert_close(got["attribution"].values[in_batch], alone["attribution"].values)
         assert np.abs(got["attribution"].values[~in_batch]).min() > 0
+
+
+@pytest.mark.parametrize("way", ["vectorised", "batched"])
+def test_row_gradients_either_way_match_the_reference(way, monkeypatch):
+    """The rows' gradients in groups of two (the batch's 3 rows split, the pool's 2 after them):
+    by vmap, or, where vmap cannot batch the forward, by one backward per row of a batched
+    forward; either way the reference's attribution, and the way asked for is the way taken."""
+    from diag.arithmetic import attribution
+
+    def refused(*args, **kwargs):
+        if way == "vectorised":
+            pytest.fail("the rows' gradients were not vectorised")
+        raise NotImplementedError("no batching rule")  # what vmap raises for such an operation
+
+    taken = []
+    monkeypatch.setattr(attribution, f"_{'batched' if way == 'vectorised' else 'vmapped'}_row_gradients", refused)
+    kept = getattr(attribution, f"_{'vmapped' if way == 'vectorised' else 'batched'}_row_gradients")
+    monkeypatch.setattr(
+        attribution,
+        f"_{'vmapped' if way == 'vectorised' else 'batched'}_row_gradients",
+        lambda diagnostic, part, *rest: taken.append(len(part)) or kept(diagnostic, part, *rest),
+    )
+    model, *_ = setup("looped-adamw")
+    monkeypatch.setattr(attribution, "ROW_GRADIENT_BYTES", 4 * 2 * sum(p.numel() for p in model.parameters()))
+    got = attribute_case("looped-adamw")
+    attribution_want, linear_benefit, _, _ = assemble(reference_case("looped-adamw"), CASES["looped-adamw"][5])
+    assert_close(got["attribution"].values, attribution_want)
+    assert_close(got["linear_benefit"].values, linear_benefit)
+    # per update depth: vmap in groups of 2 (2 + 1 batch rows, 2 pool rows); batched: the batch, then the pool
+    assert taken == ([2, 1, 2] if way == "vectorised" else [3, 2]) * 2
+
+
+def test_rows_sum_to_linear_benefit_when_the_forward_depends_on_the_batch():
+    """A LoopedTransformer with a noisy initial state draws its noise for the whole batch from a
+    fixed generator, so a row forwarded alone sees another row's noise: vmap refuses the draws,
+    and the rows come from the batch's own forward."""
+    torch.manual_seed(0)
+    config = ModelConfig(
+        vocab_size=VOCAB, max_seq_len=SEQ, d_model=16, n_heads=2, n_prelude=1, n_core=1, n_coda=1,
+        init_state="noise", state_noise_std=1.0,
+    )  # fmt: skip
+    model = LoopedTransformer(config).double()
+    batch, eval_tokens = tokens(3, 1), tokens(4, 2)
+    model, optimizer = warmed(model, sgd(model), LOOPED, batch, 2)
+    got = attribute_benefit(
+        model, optimizer, batch, eval_tokens, update_depths=(1, 3), serving_depths=SERVING, depth_kwarg="depth"
+    )
+    assert_close(got["attribution"].values.sum(0), got["linear_benefit"].values)
 
 
 @pytest.mark.parametrize("name", ["looped-adamw", "truncated-adamw", "looped-adamw-per-tensor"])

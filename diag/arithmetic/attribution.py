@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -41,7 +42,7 @@ from diag.arithmetic.families import ModelFamily
 from diag.arithmetic.measures import matching_factors
 from diag.arithmetic.optim_step import AdamStep, SGDStep
 from diag.arithmetic.random_streams import common_random_numbers, sequence_seed
-from trainer.loss import clip_coefficient, clip_gradients_, counted_targets, summed_token_loss
+from trainer.loss import clip_coefficient, clip_gradients_, counted_targets, forward_precision, summed_token_loss
 from trainer.model import IGNORE_INDEX, LoopedTransformer
 
 ATTRIBUTION_VARIABLES = (
@@ -198,12 +199,13 @@ class SequenceAttribution:
         attribution = torch.zeros(examples, len(options.serving_depths), dtype=torch.float64)  # [example, S]
         for k, depth in enumerate(options.update_depths):
             weight = clip[k] * (1.0 if k == 0 else -1.0)
-            for i, gradient in enumerate(row_gradients(diagnostic, rows, depth, count)):
-                if i >= len(batch):
-                    diagnostic.step.refuse_where_not_linear(gradient)
-                for factor, w, g in zip(factors[k], self._directions, gradient):
-                    attribution[i] += (weight * factor) * (w @ g.flatten().double())
-                bar.update()
+            for start, gradients in row_gradients(diagnostic, rows, depth, count):
+                if start + len(gradients[0]) > len(batch):
+                    diagnostic.step.refuse_where_not_linear(gradients)
+                scored = attribution[start : start + len(gradients[0])]  # [rows, S]
+                for factor, w, g in zip(factors[k], self._directions, gradients):
+                    scored += (weight * factor) * (g.flatten(1).double() @ w.T)
+                bar.update(len(gradients[0]))
         bar.close()
         unit = diagnostic.compare(batch)
         default = diagnostic.with_isolation("counterfactual")
@@ -297,26 +299,82 @@ def full_backprop(model: torch.nn.Module) -> Iterator[None]:
         model.config = config
 
 
+ROW_GRADIENT_BYTES = 1 << 28
+"""How much memory the per-sequence gradients of one pass may hold (fp32): the number of
+rows `row_gradients` takes in one vectorised pass is this over 4 bytes per trainable parameter,
+at most the batch's rows."""
+
+
 def row_gradients(
     diagnostic: UpdateDiagnostic, chunks: Sequence[Tensor], depth: int, count: float
-) -> Iterator[list[Tensor]]:
-    """g_K,i for every row of `chunks` in turn (flat, fp32): the gradient of the row's summed
-    token loss at training depth `depth`, divided by `count`. A deterministic forward runs one
-    row at a time; one that draws random numbers runs each chunk as one forward, from the stream
-    the diagnostic's gradient starts from, so that the batch's rows sum to its gradient."""
+) -> Iterator[tuple[int, list[Tensor]]]:
+    """g_K,i for the rows of `chunks` (the batch, then the pool), some rows at a time: (the index
+    of the first row over all chunks, the gradients in flat order, each [rows, *shape], fp32), the
+    gradient of each row's summed token loss at training depth `depth` divided by `count`.
+
+    A forward that draws no random numbers runs `torch.func.vmap` of one row's gradient over as
+    many rows as ROW_GRADIENT_BYTES allows (one batched forward and backward). One that draws
+    random numbers (or one vmap cannot batch: it reads a value out of a tensor) runs the batch's
+    rows as one forward, from the stream the diagnostic's gradient starts from, so that their
+    gradients sum to the batch's, and the pool's in forwards of as many rows; then one backward
+    per row."""
+    batch_rows = len(chunks[0])
+    vectorised = not diagnostic.random_forward
+    trainable_numel = sum(t.numel() for n, t in diagnostic.theta.items() if diagnostic.requires_grad[n])
+    vmap_rows = max(1, min(batch_rows, ROW_GRADIENT_BYTES // (4 * trainable_numel)))
+    first = 0
     for chunk in chunks:
-        step = len(chunk) if diagnostic.random_forward else 1
-        for start in range(0, len(chunk), step):
-            part = chunk[start : start + step]
-            with torch.enable_grad(), common_random_numbers():
-                leaves, trainable, logits = diagnostic.training_logits(
-                    part[:, :-1], diagnostic.family.gradient_call(depth)
-                )
-                for row in range(len(part)):
-                    loss = summed_token_loss(logits[row : row + 1], part[row : row + 1, 1:]) / count
-                    grads = (
-                        torch.autograd.grad(loss, [leaves[n] for n in trainable], retain_graph=True, allow_unused=True)
-                        if loss.requires_grad
-                        else [None] * len(trainable)
-                    )
-                    yield diagnostic.flat({n: g for n, g in zip(trainable, grads) if g is not None})
+        start = 0
+        while start < len(chunk):
+            gradients = None
+            if vectorised:
+                try:
+                    gradients = _vmapped_row_gradients(diagnostic, chunk[start : start + vmap_rows], depth, count)
+                except (RuntimeError, NotImplementedError):  # random draws, or an operation vmap cannot batch
+                    vectorised = False
+            if gradients is None:
+                gradients = _batched_row_gradients(diagnostic, chunk[start : start + batch_rows], depth, count)
+            yield first + start, gradients
+            start += len(gradients[0])
+        first += len(chunk)
+
+
+def _vmapped_row_gradients(diagnostic: UpdateDiagnostic, part: Tensor, depth: int, count: float) -> list[Tensor]:
+    """Each row's gradient by `torch.func.grad` of its loss, vectorised over the rows of `part`
+    (random operations refused, so a forward that draws any raises instead of sharing draws)."""
+    theta = {name: t.detach() for name, t in diagnostic.theta.items()}
+    trainable = {name: t for name, t in theta.items() if diagnostic.requires_grad[name]}
+    call = diagnostic.family.gradient_call(depth)
+
+    def row_loss(params: dict[str, Tensor], row: Tensor) -> Tensor:  # row [T+1]
+        state = diagnostic.module_state({**theta, **params})
+        with forward_precision(diagnostic.device.type, diagnostic.options.precision):
+            output = torch.func.functional_call(diagnostic.model, state, (row[None, :-1],), call)
+        return summed_token_loss(diagnostic.family.logits(output), row[None, 1:]) / count
+
+    with torch.enable_grad(), module_mode(diagnostic.model, training=True), warnings.catch_warnings():
+        # torch's note that an operation (the CPU attention's backward) is vectorised by a loop:
+        # measured, the groups still cost about one batched forward and backward (docs/diagnostic.md)
+        warnings.filterwarnings("ignore", message="There is a performance drop", category=UserWarning)
+        by_name = torch.func.vmap(torch.func.grad(row_loss), in_dims=(None, 0), randomness="error")(trainable, part)
+    return [
+        by_name[n].detach().float() if n in by_name else theta[n].new_zeros((len(part), *theta[n].shape)).float()
+        for n in diagnostic.stepped
+    ]
+
+
+def _batched_row_gradients(diagnostic: UpdateDiagnostic, part: Tensor, depth: int, count: float) -> list[Tensor]:
+    """Each row's gradient by its own backward through one forward of `part` (the stream the
+    diagnostic's gradient starts from)."""
+    rows = []
+    with torch.enable_grad(), common_random_numbers():
+        leaves, trainable, logits = diagnostic.training_logits(part[:, :-1], diagnostic.family.gradient_call(depth))
+        for row in range(len(part)):
+            loss = summed_token_loss(logits[row : row + 1], part[row : row + 1, 1:]) / count
+            grads = (
+                torch.autograd.grad(loss, [leaves[n] for n in trainable], retain_graph=True, allow_unused=True)
+                if loss.requires_grad
+                else [None] * len(trainable)
+            )
+            rows.append(diagnostic.flat({n: g for n, g in zip(trainable, grads) if g is not None}))
+    return [torch.stack(per_row) for per_row in zip(*rows)]

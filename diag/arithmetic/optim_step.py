@@ -175,6 +175,7 @@ class AdamStep(OptimizerStep):
         for group, g in zip(optimizer.param_groups, self.groups):
             for p, theta in zip(group["params"], self.theta[g.start : g.stop]):
                 self.state.append(self._initial_state(optimizer.state.get(p, {}), theta, g.hyper))
+        self._vanishing: list[Tensor] | None = None
 
     @staticmethod
     def _initial_state(state: dict, theta: Tensor, hyper: dict) -> dict[str, Tensor]:
@@ -238,6 +239,17 @@ class AdamStep(OptimizerStep):
             self._check(vector), lambda i, grad, hyper: adam_delta(self.theta[i], grad, self.state[i], hyper)
         )
 
+    def _vanishing_second_moments(self) -> list[Tensor]:
+        """Per parameter (flat order), where the second moment the step divides by is 0 after
+        torch's own step with a zero gradient (read once: the state does not change)."""
+        if self._vanishing is None:
+            self._vanishing = []
+            for g in self.groups:
+                for i in range(g.start, g.stop):
+                    _, state = self._stepped(i, torch.zeros_like(self.theta[i]), g.hyper)
+                    self._vanishing.append(state["max_exp_avg_sq" if g.hyper.get("amsgrad") else "exp_avg_sq"] == 0)
+        return self._vanishing
+
     def refuse_where_not_linear(
         self, direction: Sequence[Tensor], sum_over_ranks: Callable[[Tensor], Tensor] | None = None
     ) -> None:
@@ -247,16 +259,14 @@ class AdamStep(OptimizerStep):
         Delta(e d) is about -lr sign(e d) (times bias corrections) once |e d| is far above eps, and its
         slope at 0, lr (1 - b1) / (bc1 eps), holds only below that; where momentum is left there, the
         |e| makes a kink and there is no slope at all. On a sharded model every rank counts its
-        shards and `sum_over_ranks` adds the counts up, so that all ranks refuse together."""
+        shards and `sum_over_ranks` adds the counts up, so that all ranks refuse together. Each
+        direction may hold several rows ([rows, *shape]): the refusal counts them all."""
         direction = self._check(direction)
         counts: dict[int, int] = {}
-        for g in self.groups:
-            for i in range(g.start, g.stop):
-                _, state = self._stepped(i, torch.zeros_like(direction[i]), g.hyper)
-                second_moment = state["max_exp_avg_sq" if g.hyper.get("amsgrad") else "exp_avg_sq"]
-                count = int(torch.count_nonzero((second_moment == 0) & (direction[i] != 0)))
-                if count:
-                    counts[i] = count
+        for i, vanishing in enumerate(self._vanishing_second_moments()):
+            count = int(torch.count_nonzero(vanishing & (direction[i] != 0)))  # direction may be [rows, *shape]
+            if count:
+                counts[i] = count
         total = sum(counts.values())
         if sum_over_ranks is not None:
             total = int(sum_over_ranks(torch.tensor(float(total), dtype=torch.float64, device=self.theta[0].device)))
