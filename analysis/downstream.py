@@ -300,14 +300,16 @@ def format_downstream(ds: xr.Dataset) -> str:
         chance = float(row["chance"])
         chance_text = f", chance {chance:.4f}" if np.isfinite(chance) else ""
         lines.append(f"{task}: {int(row['n_samples'])} documents, {int(row['n_shot'])}-shot{chance_text}")
-        lines.append("depth  " + "  ".join(f"{name:>18}" for name in shown))
-        for depth in row["serving_depth"].values:
-            cells = _cells(row.sel(serving_depth=depth), shown)
-            lines.append(f"{int(depth):>5}  " + cells)
+        labelled = [
+            (f"{int(depth)}", _cells(row.sel(serving_depth=depth), shown)) for depth in row["serving_depth"].values
+        ]
         for rule in rules:
             at_rule = row.sel(exit=rule)
-            cells = _cells(at_rule, [EXIT_PREFIX + name for name in shown])
-            lines.append(f"exit {rule} (mean depth {float(at_rule[EXIT_DEPTH]):.2f})  " + cells)
+            label = f"exit {rule} (mean depth {float(at_rule[EXIT_DEPTH]):.2f})"
+            labelled.append((label, _cells(at_rule, [EXIT_PREFIX + name for name in shown])))
+        width = max(len("depth"), *(len(label) for label, _ in labelled))  # the cells line up under the header
+        lines.append(f"{'depth':>{width}}  " + "  ".join(f"{name:>18}" for name in shown))
+        lines.extend(f"{label:>{width}}  {cells}" for label, cells in labelled)
     return "\n".join(lines)
 
 

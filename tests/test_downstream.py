@@ -195,6 +195,10 @@ def test_exit_rules_score_each_token_at_its_real_exit_depth_as_a_hand_computatio
     )  # fmt: skip
     assert code == 0, stderr_text
     assert "exit entropy:4.99 (mean depth " in stdout
+    table = stdout.splitlines()
+    header = next(i for i, line in enumerate(table) if line.lstrip().startswith("depth "))
+    block = table[header : header + 1 + 3 + len(rules)]  # the header, depths 1-3, the rules
+    assert block[-1].lstrip().startswith("exit kl:0") and len({len(line) for line in block}) == 1  # in columns
     ds = open_downstream(out).sel(task="tiny_mc")
     assert ds["exit"].values.tolist() == list(rules)
     for rule, depth in (("maxprob:0", 1), ("kl:0", 3)):
