@@ -110,6 +110,7 @@ def test_what_attribute_refuses_is_one_line(sgd_run, tmp_path):
     code, _, stderr = run_cli("attribute", adam_run[2], *ARGS, "--out", tmp_path / "b.h5")
     error = stderr.strip().splitlines()[-1]  # after the warning that this Adam state is young
     assert code == 2 and error.startswith(f"depthdiag: error: {adam_run[2]}, batch 0: isolate='linear': Adam's second")
+    assert error.endswith("attribute a later snapshot, where every value the sequences reach has been updated")
     assert not (tmp_path / "b.h5").exists()
 
 

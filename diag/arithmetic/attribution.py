@@ -59,6 +59,12 @@ ATTRIBUTION_VARIABLES = (
 REMOVALS = ("top", "bottom", "random")
 """The removal check's subsets of a batch: its rows ranked highest, lowest, and at random."""
 
+ATTRIBUTION_REMEDY = (
+    "the attribution is first order by definition: attribute a later snapshot, where every value "
+    "the sequences reach has been updated"
+)
+"""What the attribution says where Adam's step is not linear in the gradient (it has no other isolation)."""
+
 REMOVAL_FRACTION = 0.25
 """The share of a batch's rows each removal takes out."""
 
@@ -188,7 +194,9 @@ class SequenceAttribution:
             _, by_name = diagnostic.reached_gradients(batch, depth)
             norm = clip_gradients_(list(by_name.values()), options.grad_clip)  # scaled by kappa in place
             clip.append(float(clip_coefficient(norm, options.grad_clip)))
-            updates.append(diagnostic.step.linear(diagnostic.flat(by_name)))
+            gradient = diagnostic.flat(by_name)
+            diagnostic.step.refuse_where_not_linear(gradient, remedy=ATTRIBUTION_REMEDY)
+            updates.append(diagnostic.step.linear(gradient))
         factors = matching_factors(updates, options.rms_match)
         difference = [fa * ua - fb * ub for fa, ua, fb, ub in zip(factors[0], updates[0], factors[1], updates[1])]
         del updates
@@ -201,7 +209,7 @@ class SequenceAttribution:
             weight = clip[k] * (1.0 if k == 0 else -1.0)
             for start, gradients in row_gradients(diagnostic, rows, depth, count):
                 if start + len(gradients[0]) > len(batch):
-                    diagnostic.step.refuse_where_not_linear(gradients)
+                    diagnostic.step.refuse_where_not_linear(gradients, remedy=ATTRIBUTION_REMEDY)
                 scored = attribution[start : start + len(gradients[0])]  # [rows, S]
                 for factor, w, g in zip(factors[k], self._directions, gradients):
                     scored += (weight * factor) * (g.flatten(1).double() @ w.T)

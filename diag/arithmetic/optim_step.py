@@ -48,6 +48,10 @@ def fp32_clone(t: Tensor) -> Tensor:
     return t.to(dtype=torch.promote_types(t.dtype, torch.float32), copy=True)
 
 
+LINEAR_REMEDY = "use isolate='counterfactual'"
+"""What `refuse_where_not_linear` tells a diagnostic to do instead."""
+
+
 @dataclass(frozen=True)
 class _Group:
     """One param group's slice of the flat parameter list and its hyperparameters."""
@@ -137,9 +141,13 @@ class OptimizerStep:
         return self.linear(vector)
 
     def refuse_where_not_linear(
-        self, direction: Sequence[Tensor], sum_over_ranks: Callable[[Tensor], Tensor] | None = None
+        self,
+        direction: Sequence[Tensor],
+        sum_over_ranks: Callable[[Tensor], Tensor] | None = None,
+        remedy: str = LINEAR_REMEDY,
     ) -> None:
-        """InputError where Delta has no first-order term along `direction` (none for SGD)."""
+        """InputError where Delta has no first-order term along `direction` (none for SGD);
+        `remedy` ends its message (what the caller can do instead)."""
 
     def _jvp_at_zero(self, direction: list[Tensor], delta_of: Callable[[int, Tensor, dict], Tensor]) -> list[Tensor]:
         """d/de delta_of(i, e * direction[i], hyper) at e = 0 for every parameter i (`direction` checked)."""
@@ -251,7 +259,10 @@ class AdamStep(OptimizerStep):
         return self._vanishing
 
     def refuse_where_not_linear(
-        self, direction: Sequence[Tensor], sum_over_ranks: Callable[[Tensor], Tensor] | None = None
+        self,
+        direction: Sequence[Tensor],
+        sum_over_ranks: Callable[[Tensor], Tensor] | None = None,
+        remedy: str = LINEAR_REMEDY,
     ) -> None:
         """InputError where Delta has no first-order term on the gradient's scale: where the second
         moment the step divides by is 0 after torch's own step with a zero gradient and the direction
@@ -280,7 +291,7 @@ class AdamStep(OptimizerStep):
             raise InputError(
                 f"isolate='linear': Adam's second moment at g = 0 is 0 where the gradient is not, at "
                 f"{total} values of {parameters}; there the step is "
-                "about -lr sign(g), not linear in g on the gradient's scale: use isolate='counterfactual'"
+                f"about -lr sign(g), not linear in g on the gradient's scale: {remedy}"
             )
 
 
