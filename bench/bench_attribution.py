@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from bench_diag import alternated, snapshot_like, timed  # noqa: E402
 from bench_scale import _hand_freed_memory_back, _status_bytes  # noqa: E402
 
-from diag.arithmetic.attribution import ROW_GRADIENT_BYTES, SequenceAttribution  # noqa: E402
+from diag.arithmetic.attribution import SequenceAttribution, vectorised_rows  # noqa: E402
 from diag.arithmetic.engine import DiagnosticOptions, UpdateDiagnostic  # noqa: E402
 from trainer.config import RunConfig, load_config  # noqa: E402
 
@@ -124,7 +124,7 @@ def memory(config_path: str) -> dict:
         )
         probes[side] = json.loads(result.stdout.strip().splitlines()[-1])
     parameters, rows = probes["unit"]["trainable_parameters"], probes["unit"]["batch_rows"]
-    group = min(rows, ROW_GRADIENT_BYTES // (4 * parameters))  # rows whose gradients one vmap pass holds
+    group = vectorised_rows(parameters, rows)  # rows whose gradients one vmap pass holds
     kept = 12 * len(SERVING) * parameters + 4 * group * parameters + 8 * len(SERVING) * max(POOLS)
     extra = probes["pool"]["peak_bytes"] - probes["unit"]["peak_bytes"]
     return {

@@ -340,18 +340,17 @@ def test_row_gradients_either_way_match_the_reference(way, monkeypatch):
     forward; either way the reference's attribution, and the way asked for is the way taken."""
     from diag.arithmetic import attribution
 
+    used, unused = ("_vmapped_row_gradients", "_batched_row_gradients")[:: 1 if way == "vectorised" else -1]
+
     def refused(*args, **kwargs):
         if way == "vectorised":
             pytest.fail("the rows' gradients were not vectorised")
         raise NotImplementedError("no batching rule")  # what vmap raises for such an operation
 
-    taken = []
-    monkeypatch.setattr(attribution, f"_{'batched' if way == 'vectorised' else 'vmapped'}_row_gradients", refused)
-    kept = getattr(attribution, f"_{'vmapped' if way == 'vectorised' else 'batched'}_row_gradients")
+    taken, kept = [], getattr(attribution, used)
+    monkeypatch.setattr(attribution, unused, refused)
     monkeypatch.setattr(
-        attribution,
-        f"_{'vmapped' if way == 'vectorised' else 'batched'}_row_gradients",
-        lambda diagnostic, part, *rest: taken.append(len(part)) or kept(diagnostic, part, *rest),
+        attribution, used, lambda diagnostic, part, *rest: taken.append(len(part)) or kept(diagnostic, part, *rest)
     )
     model, *_ = setup("looped-adamw")
     monkeypatch.setattr(attribution, "ROW_GRADIENT_BYTES", 4 * 2 * sum(p.numel() for p in model.parameters()))

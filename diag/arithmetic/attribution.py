@@ -308,9 +308,13 @@ def full_backprop(model: torch.nn.Module) -> Iterator[None]:
 
 
 ROW_GRADIENT_BYTES = 1 << 28
-"""How much memory the per-sequence gradients of one pass may hold (fp32): the number of
-rows `row_gradients` takes in one vectorised pass is this over 4 bytes per trainable parameter,
-at most the batch's rows."""
+"""How much memory the per-sequence gradients of one vectorised pass may hold (fp32)."""
+
+
+def vectorised_rows(trainable_parameters: int, batch_rows: int) -> int:
+    """The rows `row_gradients` takes in one vectorised pass: as many as ROW_GRADIENT_BYTES holds
+    at 4 bytes per trainable parameter, at least one, at most the batch's rows."""
+    return max(1, min(batch_rows, ROW_GRADIENT_BYTES // (4 * trainable_parameters)))
 
 
 def row_gradients(
@@ -321,15 +325,15 @@ def row_gradients(
     gradient of each row's summed token loss at training depth `depth` divided by `count`.
 
     A forward that draws no random numbers runs `torch.func.vmap` of one row's gradient over as
-    many rows as ROW_GRADIENT_BYTES allows (one batched forward and backward). One that draws
+    many rows as `vectorised_rows` allows (one batched forward and backward). One that draws
     random numbers (or one vmap cannot batch: it reads a value out of a tensor) runs the batch's
     rows as one forward, from the stream the diagnostic's gradient starts from, so that their
     gradients sum to the batch's, and the pool's in forwards of as many rows; then one backward
     per row."""
     batch_rows = len(chunks[0])
     vectorised = not diagnostic.random_forward
-    trainable_numel = sum(t.numel() for n, t in diagnostic.theta.items() if diagnostic.requires_grad[n])
-    vmap_rows = max(1, min(batch_rows, ROW_GRADIENT_BYTES // (4 * trainable_numel)))
+    trainable = sum(t.numel() for n, t in diagnostic.theta.items() if diagnostic.requires_grad[n])
+    vmap_rows = vectorised_rows(trainable, batch_rows)
     first = 0
     for chunk in chunks:
         start = 0
