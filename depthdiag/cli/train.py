@@ -93,11 +93,11 @@ def train_run(
 
     # Imported here: torch takes seconds to load and `depthdiag --help` should not wait for it.
     from common.outputs import check_output
-    from diag.in_training.monitor import train_with_monitor
     from trainer.config import load_config
     from trainer.distributed import resolve_device
     from trainer.resources import check_memory
     from trainer.run_dir import RUN_DIRECTORY
+    from trainer.train import train
 
     config = load_config(config_path, overrides)
     if "WORLD_SIZE" not in os.environ:
@@ -109,7 +109,13 @@ def train_run(
         raise InputError("--resume and --force contradict each other: pick one")
     if not resume:
         check_output(run_dir, kind=RUN_DIRECTORY, inputs=[config_path], force=force)
-    summary = train_with_monitor(config, run_dir, resume=resume, force=force, progress=not no_progress)
+    monitor = None
+    if config.monitor.enabled:
+        # Only then: the monitor brings the diagnostic and xarray, half a second more at every start.
+        from diag.in_training.monitor import UpdateMonitor
+
+        monitor = UpdateMonitor(config, run_dir)
+    summary = train(config, run_dir, resume=resume, force=force, progress=not no_progress, monitor=monitor)
     if os.environ.get("RANK", "0") == "0":
         click.echo(
             f"trained {summary.updates:,} updates into {summary.run_dir} "

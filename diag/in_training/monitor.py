@@ -5,7 +5,8 @@
 diag/in_training/hf_callbacks.py wrap it): the loop calls `after_update(step, model, optimizer)` and supplies
 the monitor's own batches. `UpdateMonitor` is the same monitor configured from a depthdiag run:
 `depthdiag train` passes one to `trainer.train.train(..., monitor=)` when the config's [monitor]
-block is on (`train_with_monitor` does it for library callers); the training loop calls it
+block is on (a library caller does the same: `train(config, run_dir, monitor=UpdateMonitor(config,
+run_dir))`); the training loop calls it
 through the protocol of trainer/hooks.py and never imports diag.
 
 A check of a depthdiag run after `step` updates, when step is a positive multiple of
@@ -62,7 +63,6 @@ from trainer.optim import OPTIMIZER_CLASSES, lr_at
 from trainer.rng import process_rng_state, seeded_generator, set_process_rng_state
 from trainer.run_dir import MONITOR_FILE
 from trainer.schedules import parse_schedule
-from trainer.train import TrainSummary, train
 
 MONITOR_SALT = 0x30A1_70C4
 """Third word of the monitor's batch seeds: keeps them apart from every training stream."""
@@ -464,12 +464,3 @@ class UpdateMonitor(DepthMonitor):
     def close(self) -> None:
         super().close()
         self._source, self._evaluation = None, None
-
-
-def train_with_monitor(
-    config: RunConfig, run_dir: str | Path, *, resume: bool = False, force: bool = False, progress: bool = True
-) -> TrainSummary:
-    """`trainer.train.train` with an `UpdateMonitor` when config.monitor is on (what `depthdiag
-    train` runs)."""
-    monitor = UpdateMonitor(config, run_dir) if config.monitor.enabled else None
-    return train(config, run_dir, resume=resume, force=force, progress=progress, monitor=monitor)
