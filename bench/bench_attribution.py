@@ -8,15 +8,17 @@ evaluation set), update depths 4 and 16, serving depths 1..16:
    A pool's cost is `SequenceAttribution.unit(batch, pool)` less the same call without a pool
    (which holds the batch's own rows and its two comparison units), with e_s and w_s computed
    before (`depthdiag attribute` computes them once per snapshot; their cost is reported
-   beside it). Contracts (the issue's): the pool of 256 at most 4x one unit, and the time
-   linear in the pool (1,024 over 256 about 4).
+   beside it). Contracts: the pool of 256 at most 4x one unit, and the time linear in the
+   pool (1,024 over 256 about 4). Beside them, the floor of any reverse-mode attribution: the
+   batch gradients of the pool's 256 sequences at both update depths (batches of the
+   config's size, nothing per sequence), over one unit.
 2. Memory: the peak resident memory of a fresh process that runs two units, against one that
    attributes the larger pool (each less its memory before the model existed, glibc's malloc
    handing freed blocks back at once as bench/bench_scale.py sets it), beside what the design
-   keeps on top of a unit: e_s (float32) and w_s (float64) at every serving depth, 12 S bytes
-   per trainable parameter, one vectorised group's gradients (4 bytes per parameter and row),
-   and one float64 per sequence and serving depth. Contract: the pool's peak at most the
-   unit's plus that.
+   keeps on top of a unit: e_s and w_s (fp32) at every serving depth, 8 S bytes per trainable
+   parameter, one vectorised group's gradients at the deep update depth (4 bytes per parameter
+   and row), and one float64 per sequence and serving depth. Contract: the pool's peak at most
+   the unit's plus that.
 
     .venv/bin/python bench/bench_attribution.py [--config configs/tiny.toml] [--repeats 2]
 """
@@ -38,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from bench_diag import alternated, snapshot_like, timed  # noqa: E402
 from bench_scale import _hand_freed_memory_back, _status_bytes  # noqa: E402
 
-from diag.arithmetic.attribution import SequenceAttribution, vectorised_rows  # noqa: E402
+from diag.arithmetic.attribution import SequenceAttribution, row_activation_bytes, vectorised_rows  # noqa: E402
 from diag.arithmetic.engine import DiagnosticOptions, UpdateDiagnostic  # noqa: E402
 from trainer.config import RunConfig, load_config  # noqa: E402
 
@@ -81,15 +83,24 @@ def time_pools(config: RunConfig, repeats: int) -> dict:
     unit, attribution = diagnostics(config, model, optimizer, eval_tokens, eval_mask)
     _ = unit.nll_before
     directions = timed(lambda: attribution.unit(batch))  # the first call also computes e_s and w_s
+    small, large = POOLS
+    rows = len(batch)
+
+    def batch_gradients() -> None:  # the pool's sequences in batches, at both depths: no per-sequence work
+        for start in range(0, small, rows):
+            for depth in UPDATE_DEPTHS:
+                attribution.diagnostic.reached_gradients(pool[start : start + rows], depth)
+
     sides = {"unit": lambda: unit.compare(batch), "no pool": lambda: attribution.unit(batch)}
     sides.update({f"pool {n}": (lambda n=n: attribution.unit(batch, pool[:n])) for n in POOLS})
+    sides[f"batch gradients {small}"] = batch_gradients
     seconds = alternated(sides, repeats)
     cost = {n: seconds[f"pool {n}"] - seconds["no pool"] for n in POOLS}
-    small, large = POOLS
     return {
         "seconds": seconds,
         "first_call_seconds": directions,
         "pool_over_unit": {str(n): cost[n] / seconds["unit"] for n in POOLS},
+        "batch_gradients_over_unit": seconds[f"batch gradients {small}"] / seconds["unit"],
         "growth": cost[large] / cost[small],
         "expected_growth": large / small,
     }
@@ -108,9 +119,11 @@ def memory_probe(config_path: str, side: str) -> None:
             unit.compare(batch)
     else:
         attribution.unit(batch, pool)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     peak = _status_bytes("VmHWM") - before
-    print(json.dumps({"peak_bytes": peak, "trainable_parameters": trainable, "batch_rows": len(batch)}))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    deep = row_activation_bytes(attribution.diagnostic, batch[0], max(UPDATE_DEPTHS))
+    group = vectorised_rows(trainable, len(batch), deep, deep)  # rows one vmap pass at the deep depth holds
+    print(json.dumps({"peak_bytes": peak, "trainable_parameters": trainable, "vectorised_rows": group}))
 
 
 def memory(config_path: str) -> dict:
@@ -123,15 +136,15 @@ def memory(config_path: str) -> dict:
             check=True,
         )
         probes[side] = json.loads(result.stdout.strip().splitlines()[-1])
-    parameters, rows = probes["unit"]["trainable_parameters"], probes["unit"]["batch_rows"]
-    group = vectorised_rows(parameters, rows)  # rows whose gradients one vmap pass holds
-    kept = 12 * len(SERVING) * parameters + 4 * group * parameters + 8 * len(SERVING) * max(POOLS)
+    parameters, group = probes["unit"]["trainable_parameters"], probes["unit"]["vectorised_rows"]
+    kept = 8 * len(SERVING) * parameters + 4 * group * parameters + 8 * len(SERVING) * max(POOLS)
     extra = probes["pool"]["peak_bytes"] - probes["unit"]["peak_bytes"]
     return {
         "unit_peak_bytes": probes["unit"]["peak_bytes"],
         "pool_peak_bytes": probes["pool"]["peak_bytes"],
         "extra_bytes": extra,
         "kept_by_design_bytes": kept,
+        "vectorised_rows": group,
         "extra_over_kept": extra / kept,
         "pool_over_unit": probes["pool"]["peak_bytes"] / probes["unit"]["peak_bytes"],
         "pool_over_unit_and_kept": probes["pool"]["peak_bytes"] / (probes["unit"]["peak_bytes"] + kept),

@@ -32,7 +32,12 @@ import torch.nn.functional as F
 from huginn_convention import HuginnConvention
 
 from common.errors import InputError
-from diag.arithmetic.attribution import attribute_benefit
+from diag.arithmetic.attribution import (
+    VECTORISED_ACTIVATION_FACTOR,
+    attribute_benefit,
+    saved_activation_bytes,
+    vectorised_rows,
+)
 from diag.arithmetic.families import ModelFamily
 from diag.arithmetic.random_streams import CRN_SEED, sequence_seed
 from trainer.model import LoopedTransformer, ModelConfig
@@ -352,14 +357,36 @@ def test_row_gradients_either_way_match_the_reference(way, monkeypatch):
     monkeypatch.setattr(
         attribution, used, lambda diagnostic, part, *rest: taken.append(len(part)) or kept(diagnostic, part, *rest)
     )
-    model, *_ = setup("looped-adamw")
-    monkeypatch.setattr(attribution, "ROW_GRADIENT_BYTES", 4 * 2 * sum(p.numel() for p in model.parameters()))
+    monkeypatch.setattr(attribution, "vectorised_rows", lambda *sizes: 2)
     got = attribute_case("looped-adamw")
     attribution_want, linear_benefit, _, _ = assemble(reference_case("looped-adamw"), CASES["looped-adamw"][5])
     assert_close(got["attribution"].values, attribution_want)
     assert_close(got["linear_benefit"].values, linear_benefit)
     # per update depth: vmap in groups of 2 (2 + 1 batch rows, 2 pool rows); batched: the batch, then the pool
     assert taken == ([2, 1, 2] if way == "vectorised" else [3, 2]) * 2
+
+
+def test_saved_activation_bytes_count_what_the_backward_keeps_once_and_no_parameter():
+    weight = torch.nn.Parameter(torch.randn(5, 8))
+    x = torch.randn(4, 8)
+    assert saved_activation_bytes(lambda: F.linear(x, weight), exclude=[weight]) == x.nbytes
+    # x is saved by both products but held once; tanh keeps its output [4, 5]
+    both = saved_activation_bytes(lambda: torch.tanh(F.linear(x, weight) + F.linear(x, weight)), exclude=[weight])
+    assert both == x.nbytes + 4 * 5 * 4
+    # an input that needs its gradient has the weight saved too, unless excluded
+    x.requires_grad_()
+    assert saved_activation_bytes(lambda: F.linear(x, weight)) == x.nbytes + weight.nbytes
+
+
+def test_vectorised_groups_fit_in_what_the_batchs_own_backward_holds():
+    P, B, MB = 951_552, 32, 10**6  # configs/tiny-fp32.toml's model and batch, its rows' activations at depths 16 and 4
+    deep, shallow = 23_580_416, 7_028_480
+    assert VECTORISED_ACTIVATION_FACTOR == 2
+    # at the deep depth: 32 rows of 23.6 MB held by the plain backward, a vectorised row holds 2 x 23.6 + 3.8 MB
+    assert vectorised_rows(P, B, deep, deep) == B * deep // (2 * deep + 4 * P) == 14
+    assert vectorised_rows(P, B, shallow, deep) == B  # at most the batch
+    assert vectorised_rows(P, B, 1, 1) == 1  # at least one
+    assert vectorised_rows(10 * P, B, MB, 10**4 * MB) == 7  # 256 MiB of gradients: seven rows of 38 MB
 
 
 def test_rows_sum_to_linear_benefit_when_the_forward_depends_on_the_batch():

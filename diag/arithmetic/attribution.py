@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -128,8 +128,10 @@ def attribute_benefit(
 class SequenceAttribution:
     """The attribution units of one snapshot's diagnostic (isolate='linear', two update
     depths). What does not depend on the batch, e_s and w_s = J^T e_s at every serving depth,
-    is computed on the first unit and kept (2 S copies of the trainable parameters, w_s in
-    float64 for the dot products)."""
+    is computed on the first unit and kept (2 S copies of the trainable parameters). The dot
+    products with w_s run in fp32, or float64 for a float64 model, and add up in float64 (fp32
+    is three times faster than float64 and 1.7e-7 from it for the median sequence of
+    configs/tiny-fp32.toml's model)."""
 
     def __init__(self, diagnostic: UpdateDiagnostic):
         options = diagnostic.options
@@ -142,7 +144,7 @@ class SequenceAttribution:
             )
         self.diagnostic = diagnostic
         self._eval_gradients: list[list[Tensor]] = []  # e_s per serving depth, flat order
-        self._directions: list[Tensor] = []  # per tensor: w_s stacked over serving depths [S, numel], float64
+        self._directions: list[Tensor] = []  # per tensor: w_s stacked over serving depths [S, numel]
 
     def _serving_directions(self, bar) -> None:
         """e_s and w_s = J^T e_s at every serving depth, once."""
@@ -155,8 +157,9 @@ class SequenceAttribution:
             self._eval_gradients.append(e)
             directions.append(diagnostic.step.linear_transposed(e))
             bar.update()
+        dtype = torch.float64 if any(t.dtype == torch.float64 for t in diagnostic.theta.values()) else torch.float32
         self._directions = [
-            torch.stack([w[t].flatten().double() for w in directions]) for t in range(len(directions[0]))
+            torch.stack([w[t].flatten().to(dtype) for w in directions]) for t in range(len(directions[0]))
         ]
 
     def unit(
@@ -205,14 +208,17 @@ class SequenceAttribution:
         del difference
 
         attribution = torch.zeros(examples, len(options.serving_depths), dtype=torch.float64)  # [example, S]
+        trainable = sum(t.numel() for n, t in diagnostic.theta.items() if diagnostic.requires_grad[n])
+        saved = [row_activation_bytes(diagnostic, batch[0], depth) for depth in options.update_depths]
         for k, depth in enumerate(options.update_depths):
             weight = clip[k] * (1.0 if k == 0 else -1.0)
-            for start, gradients in row_gradients(diagnostic, rows, depth, count):
+            vmap_rows = vectorised_rows(trainable, len(batch), saved[k], max(saved))
+            for start, gradients in row_gradients(diagnostic, rows, depth, count, vmap_rows):
                 if start + len(gradients[0]) > len(batch):
                     diagnostic.step.refuse_where_not_linear(gradients, remedy=ATTRIBUTION_REMEDY)
                 scored = attribution[start : start + len(gradients[0])]  # [rows, S]
                 for factor, w, g in zip(factors[k], self._directions, gradients):
-                    scored += (weight * factor) * (g.flatten(1).double() @ w.T)
+                    scored += (weight * factor) * (g.flatten(1).to(w.dtype) @ w.T)
                 bar.update(len(gradients[0]))
         bar.close()
         unit = diagnostic.compare(batch)
@@ -310,30 +316,66 @@ def full_backprop(model: torch.nn.Module) -> Iterator[None]:
 ROW_GRADIENT_BYTES = 1 << 28
 """How much memory the per-sequence gradients of one vectorised pass may hold (fp32)."""
 
+VECTORISED_ACTIVATION_FACTOR = 2
+"""A vectorised backward holds about this many times the activations autograd saves for its
+rows' forward, besides one gradient per row (measured on configs/tiny-fp32.toml's model, per
+row: 23.6 MB saved at depth 16 and 47.4 MB held in groups of 8 to 32; 7.0 and 17.2 MB at depth
+4; a plain backward holds what it saved, 24.1 MB)."""
 
-def vectorised_rows(trainable_parameters: int, batch_rows: int) -> int:
-    """The rows `row_gradients` takes in one vectorised pass: as many as ROW_GRADIENT_BYTES holds
-    at 4 bytes per trainable parameter, at least one, at most the batch's rows."""
-    return max(1, min(batch_rows, ROW_GRADIENT_BYTES // (4 * trainable_parameters)))
+
+def saved_activation_bytes(forward: Callable[[], object], exclude: Iterable[Tensor] = ()) -> int:
+    """The bytes autograd saves for the backward of `forward()` (run under torch.enable_grad()),
+    each storage counted once and those of `exclude` (the parameters) not at all."""
+    excluded = {t.untyped_storage().data_ptr() for t in exclude}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: Tensor) -> Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in excluded:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        forward()
+    return sum(saved.values())
+
+
+def vectorised_rows(trainable_parameters: int, batch_rows: int, row_bytes: int, deep_row_bytes: int) -> int:
+    """The rows `row_gradients` takes in one vectorised pass at an update depth whose forward saves
+    `row_bytes` of activations per row, where the deep update depth's saves `deep_row_bytes`: as
+    many as ROW_GRADIENT_BYTES holds at 4 bytes per trainable parameter, and as many as fit, at
+    VECTORISED_ACTIVATION_FACTOR times their activations and one gradient each, in what the
+    batch's own backward at the deep depth holds (so a pool needs no more memory than the unit);
+    at least one, at most the batch's rows."""
+    gradient = 4 * trainable_parameters
+    fit = batch_rows * deep_row_bytes // (VECTORISED_ACTIVATION_FACTOR * row_bytes + gradient)
+    return max(1, min(batch_rows, ROW_GRADIENT_BYTES // gradient, fit))
+
+
+def row_activation_bytes(diagnostic: UpdateDiagnostic, row: Tensor, depth: int) -> int:
+    """What the training forward of one sequence `row` [T+1] at `depth` saves for its backward."""
+    with common_random_numbers():
+        return saved_activation_bytes(
+            lambda: diagnostic.training_logits(row[None, :-1], diagnostic.family.gradient_call(depth)),
+            exclude=diagnostic.theta.values(),
+        )
 
 
 def row_gradients(
-    diagnostic: UpdateDiagnostic, chunks: Sequence[Tensor], depth: int, count: float
+    diagnostic: UpdateDiagnostic, chunks: Sequence[Tensor], depth: int, count: float, vmap_rows: int
 ) -> Iterator[tuple[int, list[Tensor]]]:
     """g_K,i for the rows of `chunks` (the batch, then the pool), some rows at a time: (the index
     of the first row over all chunks, the gradients in flat order, each [rows, *shape], fp32), the
     gradient of each row's summed token loss at training depth `depth` divided by `count`.
 
-    A forward that draws no random numbers runs `torch.func.vmap` of one row's gradient over as
-    many rows as `vectorised_rows` allows (one batched forward and backward). One that draws
-    random numbers (or one vmap cannot batch: it reads a value out of a tensor) runs the batch's
-    rows as one forward, from the stream the diagnostic's gradient starts from, so that their
-    gradients sum to the batch's, and the pool's in forwards of as many rows; then one backward
-    per row."""
+    A forward that draws no random numbers runs `torch.func.vmap` of one row's gradient over
+    `vmap_rows` rows at a time (`vectorised_rows`: one batched forward and backward). One that
+    draws random numbers (or one vmap cannot batch: it reads a value out of a tensor) runs the
+    batch's rows as one forward, from the stream the diagnostic's gradient starts from, so that
+    their gradients sum to the batch's, and the pool's in forwards of as many rows; then one
+    backward per row."""
     batch_rows = len(chunks[0])
     vectorised = not diagnostic.random_forward
-    trainable = sum(t.numel() for n, t in diagnostic.theta.items() if diagnostic.requires_grad[n])
-    vmap_rows = vectorised_rows(trainable, batch_rows)
     first = 0
     for chunk in chunks:
         start = 0
