@@ -342,11 +342,11 @@ def saved_activation_bytes(forward: Callable[[], object], exclude: Iterable[Tens
 
 def vectorised_rows(trainable_parameters: int, batch_rows: int, row_bytes: int, deep_row_bytes: int) -> int:
     """The rows `row_gradients` takes in one vectorised pass at an update depth whose forward saves
-    `row_bytes` of activations per row, where the deep update depth's saves `deep_row_bytes`: as
-    many as ROW_GRADIENT_BYTES holds at 4 bytes per trainable parameter, and as many as fit, at
-    VECTORISED_ACTIVATION_FACTOR times their activations and one gradient each, in what the
-    batch's own backward at the deep depth holds (so a pool needs no more memory than the unit);
-    at least one, at most the batch's rows."""
+    `row_bytes` of activations per row, where the update depth that saves most (the deep one,
+    unless a truncation says otherwise) saves `deep_row_bytes`: as many as ROW_GRADIENT_BYTES
+    holds at 4 bytes per trainable parameter, and as many as fit, at VECTORISED_ACTIVATION_FACTOR
+    times their activations and one gradient each, in what the batch's own backward at that depth
+    holds (so a pool needs no more memory than the unit); at least one, at most the batch's rows."""
     gradient = 4 * trainable_parameters
     fit = batch_rows * deep_row_bytes // (VECTORISED_ACTIVATION_FACTOR * row_bytes + gradient)
     return max(1, min(batch_rows, ROW_GRADIENT_BYTES // gradient, fit))

@@ -5,9 +5,9 @@
 diag/in_training/hf_callbacks.py wrap it): the loop calls `after_update(step, model, optimizer)` and supplies
 the monitor's own batches. `UpdateMonitor` is the same monitor configured from a depthdiag run:
 `depthdiag train` passes one to `trainer.train.train(..., monitor=)` when the config's [monitor]
-block is on (a library caller does the same: `train(config, run_dir, monitor=UpdateMonitor(config,
-run_dir))`); the training loop calls it
-through the protocol of trainer/hooks.py and never imports diag.
+block is on (a library caller does the same: `train(config, run_dir,
+monitor=UpdateMonitor(config, run_dir))`); the training loop calls it through the protocol of
+trainer/hooks.py and never imports diag.
 
 A check of a depthdiag run after `step` updates, when step is a positive multiple of
 `monitor.every` or the schedule's switch step (not step 0: see MonitorConfig):
