@@ -483,5 +483,25 @@ def test_removed_rows_take_a_quarter_and_leave_a_row():
     assert rows[0].tolist() == [4, 2] and rows[1].tolist() == [5, 1]  # highest first, lowest first
     assert len(set(rows[2].tolist())) == 2
     assert removed_rows(np.array([1.0, 2.0]), rng)[:2].tolist() == [[1], [0]]
+    assert removed_rows(np.array([1.0, 2.0, 3.0, 4.0, 5.0]), rng).shape == (3, 1)  # round(1.25): one row
+    # ties go by row order, from either end (numpy's default sort reorders ties of 40 rows)
+    assert removed_rows(np.array([1.0, 1.0, 1.0, 1.0, 0.0, 2.0, 2.0, 0.0]), rng)[:2].tolist() == [[5, 6], [4, 7]]
+    alternating = removed_rows(np.tile([1.0, 0.0], 20), rng)
+    assert alternating[0].tolist() == list(range(0, 20, 2)) and alternating[1].tolist() == list(range(1, 21, 2))
+    # the random quarter never repeats a row (drawn without replacement)
+    assert all(len(set(removed_rows(np.zeros(12), np.random.default_rng(s))[2])) == 3 for s in range(50))
     with pytest.raises(InputError, match="at least two sequences"):
         removed_rows(np.array([1.0]), rng)
+
+
+def test_sequence_attribution_refuses_a_diagnostic_it_cannot_split():
+    from diag.arithmetic.attribution import SequenceAttribution
+    from diag.arithmetic.engine import DiagnosticOptions, UpdateDiagnostic
+
+    model, optimizer, _, eval_tokens, _ = setup("looped-adamw")
+    for options in ({"isolate": "counterfactual"}, {"isolate": "linear", "update_depths": (1, 2, 3)}):
+        diagnostic = UpdateDiagnostic(
+            model, optimizer, eval_tokens, DiagnosticOptions(serving_depths=SERVING, **options)
+        )
+        with pytest.raises(InputError, match="isolate='linear' and two update depths"):
+            SequenceAttribution(diagnostic)
