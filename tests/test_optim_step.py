@@ -495,6 +495,9 @@ def test_other_optimizers_go_through_a_deep_copy():
     assert_equal_lists(step.delta(grads), expected)
     # Repeated calls start from the same state.
     assert_equal_lists(step.delta(grads), expected)
+    zero = [torch.zeros_like(p) for p in params]
+    counterfactual = [a - b for a, b in zip(expected, torch_step_delta(with_lr(opt, 2 * LR), zero))]
+    assert_equal_lists(step.counterfactual(grads), counterfactual)
     after = snapshot_state(params, opt)
     assert all(torch.equal(a, b) for a, b in zip(before[0], after[0]))
     # The refusal names the optimizer it cannot write out.
@@ -624,6 +627,18 @@ def test_linear_is_refused_where_the_step_has_no_first_order_term(kind, refused)
         optimizer_step(opt).linear(grads)
 
 
+def test_the_linear_refusal_of_two_parameters_names_both():
+    params, opt = trained("adamw", 0)
+    grads = random_grads(params, 26)
+    grads[3].zero_()
+    with pytest.raises(
+        InputError,
+        match=LINEAR_REFUSAL + r"35 values of 2 parameters \(the optimizer's parameter 0 \(param group 0, \[6, 5\]\), "
+        r"parameter 2 \(param group 1, \[5\]\)\);",
+    ):
+        optimizer_step(opt).linear(grads)
+
+
 def test_the_linear_refusal_names_three_parameters_and_counts_the_rest():
     params, opt = trained("adamw", 0)
     with pytest.raises(InputError, match=LINEAR_REFUSAL + r"50 values of 4 parameters \(.*\[5\]\) and 1 more\);"):
@@ -663,3 +678,28 @@ def test_the_linear_refusal_is_decided_over_every_ranks_shards():
     step.linear(direction, sum_over_ranks=lambda total: total)
     with pytest.raises(InputError, match=LINEAR_REFUSAL + r"3 values of parameters in other ranks' shards;"):
         step.linear(direction, sum_over_ranks=lambda total: total + 3)
+    # The ranks' counts add up exactly past 2^24 values (fp32 would round 2^24 + 3 to 2^24 + 4).
+    with pytest.raises(InputError, match=LINEAR_REFUSAL + r"16777219 values of parameters in other ranks' shards;"):
+        step.linear(direction, sum_over_ranks=lambda total: total + 2**24 + 3)
+
+
+def test_the_ranks_count_the_refusal_of_an_optimizer_with_one_parameter():
+    param = make_params()[0]
+    step = optimizer_step(build("adamw", [{"params": [param]}]))  # fresh: v = 0 everywhere
+    with pytest.raises(InputError, match=LINEAR_REFUSAL + r"32 values of 1 parameter \(the optimizer's parameter 0 "):
+        step.linear([torch.ones_like(param)], sum_over_ranks=lambda total: total + 2)
+
+
+def test_amsgrad_is_linear_where_its_running_maximum_outlives_the_second_moment():
+    # A gradient that stopped long ago: v decays to 0 (fp32 underflow), the maximum amsgrad divides
+    # by keeps its value, so the step has a slope there and nothing is refused.
+    params, opt = trained("adamw", 2, amsgrad=True, betas=(0.9, 0.1))
+    for seed in range(60):
+        for p, g in zip(params, random_grads(params, 300 + seed)):
+            p.grad = g
+        opt.step()
+    state = opt.state[params[ZERO_GRAD]]
+    assert not state["exp_avg_sq"].any() and state["max_exp_avg_sq"].all()
+    direction = random_grads(params, 31, zero=False)
+    linear = optimizer_step(opt).linear(direction)
+    assert_close_lists(linear, reference_adam_linear(opt, direction), rtol=1e-4, atol=ADAM_LINEAR_ATOL)
