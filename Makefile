@@ -403,8 +403,8 @@ test-slow: $(VENV)/.installed-eval
 # (tests/mutation/equivalent.toml). Not part of CI: 7,728 mutants now; the 5,171 of an earlier
 # tree took about 3 h on 2 cores, measured in pieces on a shared machine (3,401 in about 2 h,
 # then 1,690 in 58 min once each mutant's tests ran fastest first, tests/conftest.py), so about
-# 4.5 h in proportion (docs/mutation-report.md says how one module was rerun alone). A fresh run each
-# time: mutmut's cache would keep verdicts reached against older tests.
+# 4.5 h in proportion (docs/mutation-report.md says how one module was rerun alone). A fresh
+# run each time: mutmut's cache would keep verdicts reached against older tests.
 MUTANT_JOBS ?= 2
 $(VENV)/.installed-mutants: $(VENV)/.installed-eval
 	$(PY) -m pip install --quiet -e ".[dev,eval,hf,wandb,mutants]"
