@@ -66,7 +66,8 @@ ANALYSIS_SOURCES := $(wildcard analysis/*.py analysis/*/*.py) depthdiag/cli/resu
 setup: $(VENV)/.installed
 
 # pip byte-compiles what it installs one file at a time, about half of an install's time;
-# COMPILE_NEW compiles the files an install wrote (newer than the stamp $(1)) on every core
+# COMPILE_NEW compiles the files an install wrote (newer than the file $(1): pyvenv.cfg, which
+# `venv` writes each time it runs, or the stamp of the install before) on every core
 # instead. compileall fails on torch's Python 3.12-only test helpers, which pip skips the same
 # way, so its exit code is not the install's.
 COMPILE_NEW = find "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" -name '*.py' \
@@ -75,10 +76,9 @@ COMPILE_NEW = find "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("pur
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	touch $(VENV)/.created
 	$(PY) -m pip install --quiet --no-compile $(TORCH_INDEX) "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet --no-compile -e ".[dev]"
-	$(call COMPILE_NEW,$(VENV)/.created)
+	$(call COMPILE_NEW,$(VENV)/pyvenv.cfg)
 	touch $@
 
 # The seeds' runs and diagnostics are independent jobs, run $(JOBS) at a time.
