@@ -369,17 +369,24 @@ exits: $(VENV)/.installed
 	$(MAKE) --no-print-directory -j $(JOBS) figures/exits.png $(foreach s,$(EXITS_SCHEDULES),$(EXITS_RESULTS)/$(s).txt)
 	for s in $(EXITS_SCHEDULES); do echo "== $$s"; head -n 2 $(EXITS_RESULTS)/$$s.txt; done
 
-# The tests cover the lm-evaluation-harness wrapper, the Hugging Face routes and the Slurm grid
-# runner (through submitit's local executor) too, so they install the eval, hf and slurm extras
-# (lm_eval, transformers, submitit and what they need); the pipeline targets do without them.
-$(VENV)/.installed-eval: $(VENV)/.installed pyproject.toml
-	$(PY) -m pip install --quiet --no-compile -e ".[dev,eval,hf,slurm,wandb]"
+# The tests cover the Hugging Face routes, the Slurm grid runner (through submitit's local
+# executor) and the W&B sink too, so they install the hf, slurm and wandb extras (transformers,
+# submitit, wandb and what they need); the pipeline targets do without them. The tests of the
+# lm-evaluation-harness wrapper are slow ones: its eval extra (lm_eval, datasets, scikit-learn,
+# nltk...) is about a quarter of make test's install, so test-slow alone installs it.
+$(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
+	$(PY) -m pip install --quiet --no-compile -e ".[dev,hf,slurm,wandb]"
 	$(call COMPILE_NEW,$(VENV)/.installed)
+	touch $@
+
+$(VENV)/.installed-eval: $(VENV)/.installed-test pyproject.toml
+	$(PY) -m pip install --quiet --no-compile -e ".[dev,eval,hf,slurm,wandb]"
+	$(call COMPILE_NEW,$(VENV)/.installed-test)
 	touch $@
 
 # One worker per core (pytest-xdist), each test module on one worker so that its fixtures (a
 # tiny training run) are built once.
-test: $(VENV)/.installed-eval
+test: $(VENV)/.installed-test
 	$(PY) -m pytest -q -n auto --dist loadscope
 
 # The golden run's numbers (tests/golden_run.py) against tests/golden/golden.json; an intended

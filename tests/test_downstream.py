@@ -40,13 +40,17 @@ def run(*args):
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
     """lm-eval, offline, with the data set cache in a temporary folder and the repository
-    root as the working directory (the task file names its data relative to it)."""
+    root as the working directory (the task file names its data relative to it). The tests that
+    run it are slow ones: `make test` does not install the `eval` extra (a quarter of its
+    install time), `make test-slow` does."""
+    import lm_eval
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("HF_DATASETS_OFFLINE", "1")
         patch.setenv("HF_HUB_OFFLINE", "1")
         patch.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf-datasets")))
         patch.chdir(ROOT)
-        yield pytest.importorskip("lm_eval")
+        yield lm_eval
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +165,7 @@ def evaluated(harness, checkpoint, tmp_path_factory):
     return out, stdout, calls
 
 
+@pytest.mark.slow
 def test_accuracies_at_every_depth_equal_a_hand_computation(evaluated, checkpoint):
     from analysis.downstream import open_downstream
 
@@ -182,6 +187,7 @@ def test_accuracies_at_every_depth_equal_a_hand_computation(evaluated, checkpoin
     assert "tiny_mc: 8 documents, 0-shot" in stdout and f"wrote {out}" in stdout
 
 
+@pytest.mark.slow
 def test_exit_rules_score_each_token_at_its_real_exit_depth_as_a_hand_computation(harness, checkpoint, tmp_path):
     from analysis.downstream import open_downstream
     from trainer.exits import CRITERIA
@@ -222,6 +228,7 @@ def test_exit_rules_score_each_token_at_its_real_exit_depth_as_a_hand_computatio
     assert not (tmp_path / "bad.h5").exists()
 
 
+@pytest.mark.slow
 def test_exit_rules_refuse_generation_tasks_before_evaluating(harness, checkpoint, tmp_path):
     tasks = tmp_path / "tasks"
     tasks.mkdir()
@@ -238,6 +245,7 @@ def test_exit_rules_refuse_generation_tasks_before_evaluating(harness, checkpoin
     assert not (tmp_path / "gen.h5").exists()
 
 
+@pytest.mark.slow
 def test_every_depth_comes_from_one_pass_per_request_batch(evaluated):
     from analysis.downstream import open_downstream
 
@@ -248,6 +256,7 @@ def test_every_depth_comes_from_one_pass_per_request_batch(evaluated):
     assert open_downstream(out).attrs["forward_passes"] == batches
 
 
+@pytest.mark.slow
 def test_the_file_records_where_its_numbers_come_from(evaluated, checkpoint, harness):
     out, _, _ = evaluated
     with xr.open_dataset(out, engine="h5netcdf") as ds:
@@ -263,6 +272,7 @@ def test_the_file_records_where_its_numbers_come_from(evaluated, checkpoint, har
     assert json.loads(attrs["n_shot"]) == {"tiny_mc": 0} and attrs["limit"] == "none"
 
 
+@pytest.mark.slow
 def test_limit_evaluates_the_first_documents(harness, checkpoint, tmp_path):
     from analysis.downstream import open_downstream
 
@@ -279,6 +289,7 @@ def test_limit_evaluates_the_first_documents(harness, checkpoint, tmp_path):
     assert code == 2 and "already exists; pass --force" in err
 
 
+@pytest.mark.slow
 def test_plot_draws_figure_3_bottom_row(evaluated, tmp_path):
     from analysis.downstream import open_downstream
     from analysis.figures import figure3_downstream
@@ -361,6 +372,7 @@ def unknown_task(checkpoint: Path, tmp_path: Path) -> None:
     assert not (tmp_path / "x.h5").exists()
 
 
+@pytest.mark.slow
 def test_an_unknown_task_is_one_line_and_exit_2(harness, checkpoint, tmp_path, monkeypatch):
     """With lm-eval's own task files left out of the index (half a minute to parse; the slow test
     below reads them): the refusal is the same."""
@@ -448,6 +460,7 @@ class Request:
         self.args = args
 
 
+@pytest.mark.slow
 def test_rolling_log_likelihood_scores_every_byte_once_with_the_context_that_fits(harness, checkpoint):
     from trainer.export.lm_harness import DepthdiagLM
 
@@ -473,6 +486,7 @@ def test_rolling_log_likelihood_scores_every_byte_once_with_the_context_that_fit
     assert model.forward_passes == 1
 
 
+@pytest.mark.slow
 def test_generation_is_greedy_at_the_depth_and_stops_before_the_stop_string(harness, checkpoint):
     from trainer.export.lm_harness import DepthdiagLM
 
@@ -491,6 +505,7 @@ def test_generation_is_greedy_at_the_depth_and_stops_before_the_stop_string(harn
     assert text == greedy[: greedy.index(stop)]
 
 
+@pytest.mark.slow
 def test_exit_rules_refuse_a_served_model_without_a_real_exit(harness):
     from huginn_convention import HuginnConvention
 

@@ -403,8 +403,8 @@ def test_the_runs_tokenizer_loads_beside_the_model(bin_run, transformers):
         assert ids == ours.encode(text) and tokenizer.decode(ids) == ours.decode(ids) == text
 
 
+@pytest.mark.slow  # lm-eval: the eval extra, which only make test-slow installs
 def test_lm_evals_hf_model_scores_the_export_as_depthdiag_lm_eval_does(bin_run, transformers, tmp_path, monkeypatch):
-    pytest.importorskip("lm_eval")
     import lm_eval
     import lm_eval.models  # noqa: F401 (registers "hf": lm-eval looks only when its registry is empty)
     from lm_eval.tasks import TaskManager
@@ -456,10 +456,10 @@ def test_lm_evals_hf_model_scores_the_export_as_depthdiag_lm_eval_does(bin_run, 
     assert largest < 1e-4 and shallow > 1e-2, (largest, shallow)
 
 
+@pytest.mark.slow  # lm-eval: the eval extra, which only make test-slow installs
 def test_lm_eval_hf_serves_the_export_as_the_checkpoint_at_every_depth(bin_run, transformers, tmp_path, monkeypatch):
     """`depthdiag lm-eval --hf DIR` (the depthdiag family, the folder's tokenizer.json) gives the
     checkpoint's own `depthdiag lm-eval` numbers at each serving depth."""
-    pytest.importorskip("lm_eval")
     from analysis.downstream import open_downstream
 
     source, out, _, _ = bin_run

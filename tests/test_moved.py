@@ -13,7 +13,8 @@ import pytest
         ("diag.engine", "diag.arithmetic.engine"),
         ("diag.run", "diag.driver.run"),
         ("diag.families", "diag.arithmetic.families"),
-        ("trainer.lm_harness", "trainer.export.lm_harness"),
+        # It imports lm-eval: the eval extra, which only make test-slow installs.
+        pytest.param("trainer.lm_harness", "trainer.export.lm_harness", marks=pytest.mark.slow),
     ],
 )
 def test_an_old_path_gives_the_moved_module_itself(old, new):
