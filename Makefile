@@ -69,7 +69,7 @@ setup: $(VENV)/.installed
 # COMPILE_NEW compiles the files an install wrote (newer than the file $(1): pyvenv.cfg, which
 # `venv` writes each time it runs, or the stamp of the install before) on every core
 # instead. It leaves out what no run imports but costs as much again to compile: the packages'
-# own test suites and transformers' 400 model architectures (a run imports a handful, which
+# own test suites and transformers' 560 model architectures (a run imports a handful, which
 # Python compiles when it imports them). compileall fails on torch's Python 3.12-only test
 # helpers, which pip skips the same way, so its exit code is not the install's.
 COMPILE_NEW = find "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
