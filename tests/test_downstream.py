@@ -42,14 +42,15 @@ def harness(tmp_path_factory):
     """lm-eval, offline, with the data set cache in a temporary folder and the repository
     root as the working directory (the task file names its data relative to it). The tests that
     run it are slow ones: `make test` does not install the `eval` extra (a quarter of its
-    install time), `make test-slow` does."""
-    import lm_eval
-
+    install time), `make test-slow` does. Imported once the environment is offline: the data set
+    and hub libraries read it when they are imported."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("HF_DATASETS_OFFLINE", "1")
         patch.setenv("HF_HUB_OFFLINE", "1")
         patch.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf-datasets")))
         patch.chdir(ROOT)
+        import lm_eval
+
         yield lm_eval
 
 
