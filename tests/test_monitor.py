@@ -418,31 +418,30 @@ def test_cli_trains_with_a_monitor_block_then_summarizes_and_plots_it(tmp_path):
     assert wrong.exit_code == 2 and "--figure 4 draws results files" in wrong.stderr
 
 
-# ddp is slow (13 s): two DDP processes stay in make test (test_distributed.py), and fsdp runs the
-# monitor's rank-zero write.
-@pytest.mark.parametrize("parallel", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])
-def test_torchrun_rank_zero_writes_the_monitor_file_of_one_process(tmp_path, parallel):
-    """Under DDP rank 0 checks alone; under FSDP2 every rank checks together on its shards
-    (diag/arithmetic/sharded.py) and rank 0 writes: the file of one process either way."""
+# 13 s: two DDP processes stay in make test (test_distributed.py), and the FSDP2 run of
+# test_fsdp.py writes the monitor file of one process from rank 0.
+@pytest.mark.slow
+def test_ddp_rank_zero_writes_the_monitor_file_of_one_process(tmp_path):
+    """Under DDP rank 0 checks alone and writes: the file of one process."""
     corpus = tmp_path / "corpus.txt"
     rng = random.Random(2)
     corpus.write_text(" ".join(rng.choice("one two three four five six seven".split()) for _ in range(3000)))
     config_path = tmp_path / "run.toml"
     config_path.write_text(
-        DDP_CONFIG.format(corpus=corpus).replace("[train]\n", f'[train]\nparallel = "{parallel}"\n')
+        DDP_CONFIG.format(corpus=corpus).replace("[train]\n", '[train]\nparallel = "ddp"\n')
         + "\n[monitor]\nevery = 4\nbatches = 2\nupdate_depths = [2, 4]\nserving_depths = [1, 2, 3, 4]\n"
         + "eval_sequences = 4\n"
     )
-    result = torchrun_train(config_path, tmp_path / parallel)
+    result = torchrun_train(config_path, tmp_path / "ddp")
     assert result.returncode == 0, result.stderr[-3000:]
     config = load_config(config_path)
-    assert config.train.parallel == parallel
+    assert config.train.parallel == "ddp"
     train_monitored(config, tmp_path / "single")
 
-    ranks, single = open_monitor(tmp_path / parallel / MONITOR_FILE), open_monitor(tmp_path / "single" / MONITOR_FILE)
+    ranks, single = open_monitor(tmp_path / "ddp" / MONITOR_FILE), open_monitor(tmp_path / "single" / MONITOR_FILE)
     assert ranks["step"].values.tolist() == single["step"].values.tolist() == [4, 8]
     # The gradient reductions over ranks round differently: the same numbers to float tolerance.
     np.testing.assert_allclose(ranks["nll"].values, single["nll"].values, rtol=1e-4)
     np.testing.assert_allclose(ranks["benefit"].values, single["benefit"].values, atol=1e-4)
     np.testing.assert_allclose(ranks["update_cosine"].values, single["update_cosine"].values, atol=1e-4)
-    assert not list((tmp_path / parallel).rglob("*.tmp*"))
+    assert not list((tmp_path / "ddp").rglob("*.tmp*"))
