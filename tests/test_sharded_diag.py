@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 import torch
 import xarray as xr
+from click.testing import CliRunner
 from helpers import free_port, run_depthdiag, write_run
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+from depthdiag.cli import main
 from diag.arithmetic.engine import DiagnosticOptions, UpdateDiagnostic
 from trainer.config import OptimConfig
 from trainer.loss import training_loss
@@ -107,8 +109,8 @@ def test_sharded_diagnose_at_two_ranks_writes_the_one_process_file_within_1e_6(t
     snapshots = [run[2], run[4]]
     args = ["--batches", "2", "--update-depths", "2,5", "--serving", "1-3", "--no-progress"]
     single, sharded = tmp_path / "single.h5", tmp_path / "sharded.h5"
-    result = run_depthdiag("diagnose", *snapshots, *args, "--out", single)
-    assert result.returncode == 0, result.stderr
+    result = CliRunner().invoke(main, ["diagnose", *map(str, snapshots), *args, "--out", str(single)])
+    assert result.exit_code == 0, result.output
     result = run_depthdiag("diagnose", *snapshots, *args, "--out", sharded, "--sharded", ranks=2)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [f"wrote {sharded}"]
@@ -124,8 +126,9 @@ def test_sharded_diagnose_at_two_ranks_writes_the_one_process_file_within_1e_6(t
 
 def test_sharded_without_torchrun_is_one_line(tmp_path):
     run = write_run(tmp_path / "run")
-    result = run_depthdiag("diagnose", run[2], "--out", tmp_path / "r.h5", "--sharded", "--no-progress")
-    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    args = ["diagnose", str(run[2]), "--out", str(tmp_path / "r.h5"), "--sharded", "--no-progress"]
+    result = CliRunner().invoke(main, args, prog_name="depthdiag")
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "--sharded shards the model over torchrun's ranks" in result.stderr
 
 
