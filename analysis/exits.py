@@ -18,7 +18,7 @@ import numpy as np
 import xarray as xr
 
 from analysis.stats import t_interval
-from analysis.store import ENGINE, open_checked
+from analysis.store import file_attribute, open_checked
 from common.errors import InputError
 
 
@@ -301,12 +301,9 @@ def format_real_exits(ds: xr.Dataset) -> str:
 
 
 def is_exits_file(path: str | os.PathLike) -> bool:
-    """Whether `path` is a readable `depthdiag exits` file (False for anything else)."""
-    try:
-        with xr.open_dataset(path, engine=ENGINE) as ds:
-            return is_exits(ds)
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
+    """Whether `path` is an HDF5 file marked as a `depthdiag exits` file (False for anything
+    else); `open_exits` checks the rest."""
+    return file_attribute(path, "kind") == KIND
 
 
 REQUIRED = {

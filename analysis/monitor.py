@@ -28,7 +28,7 @@ import os
 import numpy as np
 import xarray as xr
 
-from analysis.store import DESCRIPTIONS, ENGINE, open_checked
+from analysis.store import DESCRIPTIONS, file_attribute, open_checked
 from common.errors import InputError
 
 KIND = "monitor"
@@ -79,12 +79,9 @@ def is_monitor_dataset(ds: xr.Dataset) -> bool:
 
 
 def is_monitor_file(path: str | os.PathLike) -> bool:
-    """Whether `path` is a readable monitor file (False for anything else, results files included)."""
-    try:
-        with xr.open_dataset(path, engine=ENGINE) as ds:
-            return is_monitor_dataset(ds)
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
+    """Whether `path` is an HDF5 file marked as a monitor file (False for anything else, results
+    files included); `open_monitor` checks the rest."""
+    return file_attribute(path, "kind") == KIND
 
 
 def validate_monitor(ds: xr.Dataset, source) -> None:

@@ -159,6 +159,20 @@ def _is_results_file(path: Path) -> bool:
         return False
 
 
+def file_attribute(path: str | os.PathLike, name: str) -> str | None:
+    """The text attribute `name` of the HDF5 file at `path`, read without decoding the dataset
+    (a millisecond, where opening it with xarray takes a hundred); None when the file is not a
+    readable HDF5 file or holds no such text attribute."""
+    try:
+        with h5py.File(path, "r") as file:
+            value = file.attrs.get(name)
+    except (OSError, ValueError):
+        return None
+    if isinstance(value, bytes):
+        value = value.decode(errors="replace")
+    return value if isinstance(value, str) else None
+
+
 RESULTS_FILE = OutputKind("results file", _is_results_file)
 """What `write_results` (and --force) may replace: a results file depthdiag wrote."""
 

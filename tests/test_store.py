@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from analysis.store import VARIABLE_DIMS, open_results, validate_results, write_dataset
+from analysis.store import VARIABLE_DIMS, file_attribute, open_results, validate_results, write_dataset
 from common.errors import InputError
 
 UNIFORM_UPDATES = (0, 16, 64, 256)
@@ -111,6 +111,20 @@ def test_non_results_files_name_the_file(tmp_path):
     xr.Dataset({"loss": ("step", np.arange(3.0))}).to_netcdf(other, engine="h5netcdf")
     with pytest.raises(InputError, match=r"other.h5: not a results file \(no variable 'nll'\)"):
         open_results(other)
+
+
+def test_a_files_text_attribute_is_read_without_opening_the_dataset(tmp_path):
+    """What the kind checks of summarize and plot read: the attribute as written, and None for
+    a missing file, a file that is not HDF5, a folder, a missing or non-text attribute."""
+    path = tmp_path / "r.h5"
+    write_dataset(xr.Dataset(attrs={"kind": "monitor", "steps": 3}), path)
+    with h5py.File(tmp_path / "bytes.h5", "w") as file:
+        file.attrs["kind"] = np.bytes_(b"exits")
+    (tmp_path / "text.h5").write_text("kind = monitor\n")
+    assert file_attribute(path, "kind") == "monitor" and file_attribute(tmp_path / "bytes.h5", "kind") == "exits"
+    for where, name in ((path, "steps"), (path, "absent"), (tmp_path / "text.h5", "kind"), (tmp_path, "kind")):
+        assert file_attribute(where, name) is None, (where, name)
+    assert file_attribute(tmp_path / "absent.h5", "kind") is None
 
 
 def test_validate_rejects_wrong_dims_and_missing_snapshot_coords():

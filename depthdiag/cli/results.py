@@ -268,13 +268,13 @@ def _planted_labels(ds, first: Path):
     (files of several seeds share their data config)."""
     import xarray as xr
 
+    from analysis.store import file_attribute
     from trainer.config import RunConfig
     from trainer.data.sources import build_source
 
     if "example_tokens" not in ds:
         return None
-    with xr.open_dataset(first, engine="h5netcdf") as opened:
-        config_json = opened.attrs.get("config")
+    config_json = file_attribute(first, "config")
     try:
         config = RunConfig.from_json(config_json) if config_json else None
     except InputError:  # an adapter's or a folder's config
