@@ -7,12 +7,16 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from common.provenance import describe_machine, describe_machines
 from trainer.machine import _kernels, cpu_model, machine
 
 PROBE = "import json; from trainer.machine import machine; print(json.dumps(machine()))"
+# oneDNN reports its version and ISA at the first verbose call of a process only: the CUDA
+# record (the CPU's alone on a machine without CUDA) shares the first probe, in a fresh process.
+BOTH_DEVICES = "import json; from trainer.machine import machine; print(json.dumps([machine('cpu'), machine('cuda')]))"
 ONEDNN_KERNEL = """
 import torch
 operand = torch.ones(64, 64, dtype=torch.bfloat16)
@@ -26,6 +30,14 @@ def record_in_a_process(**environment) -> dict:
         [sys.executable, "-c", PROBE], capture_output=True, text=True, check=True, env={**os.environ, **environment}
     )
     return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def fresh_records() -> tuple[dict, dict]:
+    """machine('cpu') and machine('cuda') of one fresh process in this environment."""
+    result = subprocess.run([sys.executable, "-c", BOTH_DEVICES], capture_output=True, text=True, check=True)
+    cpu, cuda = json.loads(result.stdout)
+    return cpu, cuda
 
 
 def test_the_record_names_the_cpu_and_torchs_kernels():
@@ -55,7 +67,7 @@ def test_the_probe_draws_no_random_numbers_and_prints_nothing(capfd):
     assert captured.out == "" and "onednn_verbose" not in captured.err
 
 
-def test_the_kernel_is_the_one_onednn_runs_for_a_bf16_matmul():
+def test_the_kernel_is_the_one_onednn_runs_for_a_bf16_matmul(fresh_records):
     # Independently of the probe: oneDNN's own verbose report of the same matmul in a fresh process.
     report = subprocess.run(
         [sys.executable, "-c", ONEDNN_KERNEL],
@@ -65,11 +77,11 @@ def test_the_kernel_is_the_one_onednn_runs_for_a_bf16_matmul():
         env={**os.environ, "ONEDNN_VERBOSE": "1"},
     ).stdout
     kernels = re.findall(r",exec,cpu,matmul,([^,]+),", report)
-    assert record_in_a_process()["bf16_matmul"] == (kernels[0] if kernels else "aten")
+    assert fresh_records[0]["bf16_matmul"] == (kernels[0] if kernels else "aten")
 
 
-def test_capping_onednns_isa_shows_in_the_record():
-    native = record_in_a_process()
+def test_capping_onednns_isa_shows_in_the_record(fresh_records):
+    native = fresh_records[0]
     capped = record_in_a_process(ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16")
     assert capped["onednn_max_cpu_isa"] == "AVX512_CORE_BF16" and native["onednn_max_cpu_isa"] == ""
     assert capped["bf16_matrix_units"] == 0  # the cap excludes AMX, whatever the CPU has
@@ -104,10 +116,6 @@ def test_a_record_in_words():
     assert describe_machines([]) == "unknown (not recorded)"
 
 
-def test_every_devices_record_holds_the_cpu_kernels():
-    # oneDNN reports its version and ISA at the first verbose call of a process only: the CUDA
-    # record (the CPU's alone on a machine without CUDA) shares the first probe, in a fresh process.
-    probe = "import json; from trainer.machine import machine; print(json.dumps([machine('cpu'), machine('cuda')]))"
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    cpu, cuda = json.loads(result.stdout)
+def test_every_devices_record_holds_the_cpu_kernels(fresh_records):
+    cpu, cuda = fresh_records
     assert {key: cuda[key] for key in cpu} == cpu
