@@ -5,6 +5,7 @@ imports count like top-level ones, and so do modules spelled in strings to be ru
 `python -m MODULE` (a subprocess imports them all the same)."""
 
 import ast
+import functools
 import re
 import sys
 from pathlib import Path
@@ -92,7 +93,13 @@ def project_modules() -> dict[str, Path]:
 
 
 MODULES = project_modules()
-IMPORTS = {name: imported_modules(path) for name, path in MODULES.items()}
+
+
+@functools.cache
+def project_imports() -> dict[str, set[str]]:
+    """Module -> what it imports; parsed when a test first asks, not when pytest collects this
+    file (every worker collects it, one runs it)."""
+    return {name: imported_modules(path) for name, path in MODULES.items()}
 
 
 def test_every_package_has_modules():
@@ -102,7 +109,7 @@ def test_every_package_has_modules():
 @pytest.mark.parametrize("package", PACKAGES)
 def test_imports_point_down_only(package):
     violations = []
-    for name, imports in IMPORTS.items():
+    for name, imports in project_imports().items():
         if name.split(".")[0] != package:
             continue
         for imported in imports:
@@ -115,7 +122,7 @@ def test_imports_point_down_only(package):
 
 
 def test_common_uses_only_the_standard_library_and_tqdm():
-    for name, imports in IMPORTS.items():
+    for name, imports in project_imports().items():
         if name.split(".")[0] == "common":
             outside = {i.split(".")[0] for i in imports} - set(sys.stdlib_module_names) - {"common", "tqdm"}
             assert not outside, f"{name} imports {sorted(outside)}"
@@ -123,7 +130,7 @@ def test_common_uses_only_the_standard_library_and_tqdm():
 
 def module_graph() -> dict[str, set[str]]:
     """Project module -> the project modules it imports (a package's import means its __init__)."""
-    return {name: {i for i in imports if i in MODULES and i != name} for name, imports in IMPORTS.items()}
+    return {name: {i for i in imports if i in MODULES and i != name} for name, imports in project_imports().items()}
 
 
 def test_no_import_cycles():
@@ -187,7 +194,7 @@ def test_diags_modules_all_live_in_a_room():
 def test_diags_rooms_point_one_way():
     violations = sorted(
         f"{name} imports {imported}"
-        for name, imports in IMPORTS.items()
+        for name, imports in project_imports().items()
         if (room := room_of(name)) is not None
         for imported in imports
         if room_of(imported) in ROOMS_NOT_IMPORTED[room]
