@@ -79,6 +79,19 @@ def losses(run_dir: Path, key: str = "loss") -> list[float]:
     return [r[key] for r in read_metrics(run_dir)]
 
 
+# First in this file: under `make mutants` the shared runs' in-process training counts as this
+# test's, so mutmut runs it for the mutants that training reaches.
+def test_rank_zero_writes_the_monitor_file_of_one_process(runs):
+    """Under FSDP2 every rank checks the update together on its shards
+    (diag/arithmetic/sharded.py) and rank 0 writes: the monitor file of one process."""
+    ranks, single = open_monitor(runs["fsdp"] / MONITOR_FILE), open_monitor(runs["single"] / MONITOR_FILE)
+    assert ranks["step"].values.tolist() == single["step"].values.tolist() == [HALF, UPDATES]
+    # The gradient reductions over ranks round differently: the same numbers to float tolerance.
+    np.testing.assert_allclose(ranks["nll"].values, single["nll"].values, rtol=1e-4)
+    np.testing.assert_allclose(ranks["benefit"].values, single["benefit"].values, atol=1e-4)
+    np.testing.assert_allclose(ranks["update_cosine"].values, single["update_cosine"].values, atol=1e-4)
+
+
 def test_fsdp_trains_the_one_process_run(runs):
     fsdp, single = read_metrics(runs["fsdp"]), read_metrics(runs["single"])
     assert [r["step"] for r in fsdp] == [r["step"] for r in single] == list(range(UPDATES))
@@ -93,17 +106,6 @@ def test_fsdp_trains_the_one_process_run(runs):
     for a in validated:
         b = single[a["step"]]
         assert [a[f"val_nll_{d}"] for d in (1, 2, 3)] == pytest.approx([b[f"val_nll_{d}"] for d in (1, 2, 3)], rel=1e-5)
-
-
-def test_rank_zero_writes_the_monitor_file_of_one_process(runs):
-    """Under FSDP2 every rank checks the update together on its shards
-    (diag/arithmetic/sharded.py) and rank 0 writes: the monitor file of one process."""
-    ranks, single = open_monitor(runs["fsdp"] / MONITOR_FILE), open_monitor(runs["single"] / MONITOR_FILE)
-    assert ranks["step"].values.tolist() == single["step"].values.tolist() == [HALF, UPDATES]
-    # The gradient reductions over ranks round differently: the same numbers to float tolerance.
-    np.testing.assert_allclose(ranks["nll"].values, single["nll"].values, rtol=1e-4)
-    np.testing.assert_allclose(ranks["benefit"].values, single["benefit"].values, atol=1e-4)
-    np.testing.assert_allclose(ranks["update_cosine"].values, single["update_cosine"].values, atol=1e-4)
 
 
 def test_fsdp_checkpoints_are_dcp_folders_a_plain_process_reads(runs):
