@@ -1,6 +1,7 @@
 """train.parallel='fsdp' under torchrun: two gloo processes sharding the model with FSDP2 train
-the run one process trains, write torch.distributed.checkpoint folders that resume to the bit
-(and at another number of processes), and snapshots a plain process reads like any other."""
+the run one process trains (its update monitor's file included), write
+torch.distributed.checkpoint folders that resume to the bit (and at another number of
+processes), and snapshots a plain process reads like any other."""
 
 from __future__ import annotations
 
