@@ -222,3 +222,69 @@ def test_frequency_quartiles_are_by_rank_over_the_counted_targets_and_ties_share
     assert ids.tolist() == [[0, 0, 0, 0, 0, 1, 2, 2, 2, 3, 3, 3]]
     counted[0, :5] = False  # the zeros not counted: 7 values, quartile = rank * 4 // 7
     assert quantile_ids(values, counted).tolist() == [[-1] * 5 + [0, 0, 1, 1, 2, 2, 3]]
+
+
+class _LogitsInADict(torch.nn.Module):
+    """A looped model with neither one-pass readout whose forward returns {"scores": logits}."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, depth):
+        return {"scores": self.inner(input_ids, depth=depth)}
+
+
+class _LogitsReadoutOnly(_LogitsInADict):
+    """`logits_by_depth` without `nll_by_depth`: scored one forward per depth, never in one pass."""
+
+    def logits_by_depth(self, input_ids, depths):
+        raise AssertionError("a model without nll_by_depth is scored one forward per depth")
+
+
+class _NllReadoutOnly(_LogitsInADict):
+    """`nll_by_depth` without `logits_by_depth`: scored one forward per depth too."""
+
+    def nll_by_depth(self, input_ids, targets, depths):
+        raise AssertionError("token NLLs come from forwards, not from a mean")
+
+
+def test_token_nlls_come_from_one_pass_only_for_a_model_with_both_readouts():
+    """trainer.scoring.token_nll_by_depth: one `logits_by_depth` pass for a model that has it and
+    `nll_by_depth`, one forward per depth otherwise (`logits_of` finding the logits in the
+    output), both equal to plain forwards' token NLLs; nll_by_depth takes `logits_of` too."""
+    from trainer.model import IGNORE_INDEX
+    from trainer.scoring import nll_by_depth, token_nll_by_depth
+
+    torch.manual_seed(0)
+    model = LoopedTransformer(ModelConfig(vocab_size=VOCAB, max_seq_len=T, d_model=32, n_heads=2)).eval()
+    with torch.no_grad():
+        model.adapter.weight.normal_(0, 0.3)  # the identity initialisation would make every depth alike
+    tokens = torch.randint(0, VOCAB, (3, T + 1), generator=torch.Generator().manual_seed(1))
+    input_ids, targets = tokens[:, :-1], tokens[:, 1:].clone()
+    targets[0, :4] = IGNORE_INDEX
+    depths = [3, 1, 2]
+    with torch.no_grad():
+        expected = torch.stack(
+            [
+                F.cross_entropy(
+                    model(input_ids, depth=d).flatten(0, 1),
+                    targets.flatten(),
+                    ignore_index=IGNORE_INDEX,
+                    reduction="none",
+                ).view(targets.shape)
+                for d in depths
+            ]
+        )
+        passes = []
+        one_pass = model.logits_by_depth
+        model.logits_by_depth = lambda *args: passes.append(args) or one_pass(*args)
+        torch.testing.assert_close(token_nll_by_depth(model, input_ids, targets, depths), expected, rtol=0, atol=1e-6)
+        assert len(passes) == 1
+        for wrapped in (_LogitsInADict(model), _LogitsReadoutOnly(model), _NllReadoutOnly(model)):
+            got = token_nll_by_depth(wrapped, input_ids, targets, depths, logits_of=lambda out: out["scores"])
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+        means = nll_by_depth(_LogitsInADict(model), input_ids, targets, depths, logits_of=lambda out: out["scores"])
+        counted = targets != IGNORE_INDEX
+        torch.testing.assert_close(means, (expected * counted).sum((1, 2)) / counted.sum(), rtol=1e-6, atol=1e-6)
+    assert len(passes) == 1
