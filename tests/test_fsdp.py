@@ -28,6 +28,8 @@ UPDATES = 20
 HALF = UPDATES // 2
 LAST, MIDDLE = f"step_{UPDATES:06d}", f"step_{HALF:06d}"
 """The names of the checkpoints after the last update and after the first half."""
+SNAPSHOTS = (f"u0000_step{HALF:06d}", f"u0002_step{HALF + 2:06d}")
+"""The names of the snapshots: at the switch and after 2 uniform updates."""
 
 
 def fsdp_config(directory: Path, *, parallel: str = "fsdp") -> Path:
@@ -123,9 +125,8 @@ def test_fsdp_checkpoints_are_dcp_folders_a_plain_process_reads(runs):
 
 
 def test_fsdp_snapshots_are_sharded_folders_a_plain_process_reads_as_the_one_process_files(runs):
-    names = [f"u0000_step{HALF:06d}", f"u0002_step{HALF + 2:06d}"]
-    assert sorted(p.name for p in (runs["fsdp"] / "snapshots").iterdir()) == [f"{n}.dcp" for n in names]
-    for name in names:
+    assert sorted(p.name for p in (runs["fsdp"] / "snapshots").iterdir()) == [f"{n}.dcp" for n in SNAPSHOTS]
+    for name in SNAPSHOTS:
         sharded = load_snapshot(runs["fsdp"] / "snapshots" / f"{name}.dcp", kind="snapshot")
         single = load_snapshot(runs["single"] / "snapshots" / f"{name}.pt", kind="snapshot")
         assert (sharded.step, sharded.uniform_updates, sharded.lr) == (single.step, single.uniform_updates, single.lr)
@@ -294,7 +295,7 @@ def test_a_sharded_checkpoint_is_diagnosed_whole_and_shard_by_shard(runs, tmp_pa
     (the shards gathered into a plain model) and at 2 ranks with --sharded (each rank loading
     only its shards): the same numbers within 1e-6."""
     checkpoint = runs["fsdp"] / "checkpoints" / f"{LAST}.dcp"
-    snapshot = runs["fsdp"] / "snapshots" / f"u0002_step{HALF + 2:06d}.dcp"
+    snapshot = runs["fsdp"] / "snapshots" / f"{SNAPSHOTS[1]}.dcp"
     args = ["--batches", "2", "--update-depths", "1,4", "--serving", "1-3", "--no-progress"]
     for source in (checkpoint, snapshot):
         whole, sharded = tmp_path / f"{source.stem}-whole.h5", tmp_path / f"{source.stem}-sharded.h5"
