@@ -5,6 +5,7 @@ eval_mask), the groups weighted by their targets give back the headline, and the
 groupings, a user's, `diagnose --grouping` and `summarize --by` do what they say."""
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -102,9 +103,18 @@ def test_a_group_without_counted_targets_has_no_nll():
     eval_tokens = tokens(3, 2)
     empty = TargetGroups("half", torch.zeros(3, T, dtype=torch.long), ("all", "none"))
     options = DiagnosticOptions(update_depths=(1, 2), serving_depths=(1,))
-    ds = UpdateDiagnostic(model, optimizer, eval_tokens, options, eval_groups=[empty]).compare(tokens(4, 3))
-    assert ds["targets_by_half"].values.tolist() == [3 * T, 0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an empty group's 0 / 0 is expected, not a warning
+        ds = UpdateDiagnostic(model, optimizer, eval_tokens, options, eval_groups=[empty]).compare(tokens(4, 3))
+    assert ds["targets_by_half"].values.tolist() == [3 * T, 0] and ds["targets_by_half"].dtype == np.int64
     assert np.isnan(ds["nll_by_half"].sel(half="none")).all() and np.isfinite(ds["nll_by_half"].sel(half="all")).all()
+    assert np.isnan(ds["nll_before_by_half"].sel(half="none")).all()
+    # Each grouping's variables are on its own named dimension, labelled, beside the unit's depths.
+    assert ds["nll_by_half"].dims == ("update_depth", "serving_depth", "half")
+    assert ds["nll_before_by_half"].dims == ("serving_depth", "half") and ds["targets_by_half"].dims == ("half",)
+    assert ds["half"].values.tolist() == ["all", "none"]
+    assert ds["nll_by_half"]["update_depth"].values.tolist() == [1, 2]
+    assert ds["nll_before_by_half"]["serving_depth"].values.tolist() == [1]
 
 
 def test_groupings_are_checked():
@@ -115,6 +125,9 @@ def test_groupings_are_checked():
         TargetGroups("g", ids.float(), ("a",))
     with pytest.raises(InputError, match=r"-1\.\.0"):
         TargetGroups("g", ids + 1, ("a",))
+    with pytest.raises(InputError, match=r"-1\.\.0"):
+        TargetGroups("g", ids - 2, ("a",))
+    assert TargetGroups("g", ids, (7,)).labels == ("7",)  # labels are text in the results
     with pytest.raises(InputError, match="distinct"):
         TargetGroups("g", ids, ("a", "a"))
     model, optimizer = looped()
@@ -129,6 +142,13 @@ def test_groupings_are_checked():
 def test_ids_become_groups_in_increasing_order_and_positions_split_evenly():
     grouping = groups_of_ids("g", torch.tensor([[7, -3, 2], [2, 7, 40]]))
     assert grouping.labels == ("2", "7", "40") and grouping.ids.tolist() == [[1, -1, 0], [0, 1, 2]]
+    with_zero = groups_of_ids("g", torch.tensor([[0, -1, 3]]))
+    assert with_zero.labels == ("0", "3") and with_zero.ids.tolist() == [[0, -1, 1]]
+    nothing = groups_of_ids("g", torch.full((2, 3), -1))
+    assert nothing.labels == ("none",) and nothing.ids.tolist() == [[-1] * 3] * 2
+    # A target that is not counted is in no group, whatever its id says.
+    targets = torch.tensor([[5, -100, 6], [-100, 1, 2]])
+    assert grouping.for_targets(targets).tolist() == [[1, -1, 0], [-1, 1, 2]]
     positions = position_groups(10, 2)
     assert positions.labels == ("0-2", "3-4", "5-7", "8-9") and positions.ids[1].tolist() == [
         0,

@@ -574,7 +574,7 @@ class UpdateDiagnostic:
         ds = self._dataset(np.stack(nll), losses, raw_rms, scales, cosine)  # nll [update_depth, serving_depth]
         if not self.eval_groups:
             return ds
-        return ds.assign(group_variables(self.eval_groups, grouped, self.group_sums_before, ds.coords))
+        return ds.assign(group_variables(self.eval_groups, grouped, self.group_sums_before))
 
     def _scale_(
         self, update: list[Tensor], rms: float, reference_rms: float, reference_tensor_rms: list[float]

@@ -116,32 +116,21 @@ def group_variables(
     eval_groups: Sequence[tuple[TargetGroups, Tensor]],
     after: list[list[np.ndarray]],
     before: list[np.ndarray],
-    coords: Any,
 ) -> dict[str, xr.DataArray]:
     """One unit's results per grouping X: nll_by_X (update_depth, serving_depth, X) and
     nll_before_by_X (serving_depth, X), the groups' mean NLLs (NaN for a group without
-    counted targets), and targets_by_X (X), their counted targets. `after[k][j]`: the summed
-    NLL [S, G] of grouping j after update k; `before[j]`: of theta itself; `eval_groups`: each
-    grouping with its ids on the targets."""
+    counted targets), and targets_by_X (X), their counted targets, labelled by the groups.
+    The depths' coordinates are those of the unit's dataset they are assigned to. `after[k][j]`:
+    the summed NLL [S, G] of grouping j after update k; `before[j]`: of theta itself;
+    `eval_groups`: each grouping with its ids on the targets."""
     variables = {}
     for j, (grouping, on_targets) in enumerate(eval_groups):
         dim = grouping.name
         counts = torch.bincount(on_targets[on_targets >= 0], minlength=len(grouping.labels)).cpu().numpy()
-        with np.errstate(invalid="ignore", divide="ignore"):
+        with np.errstate(invalid="ignore"):  # a group without counted targets sums to 0: 0 / 0 is NaN
             mean_after = np.stack([sums[j] for sums in after]) / counts  # [update_depth, S, G]
             mean_before = before[j] / counts  # [S, G]
-        labels = {dim: list(grouping.labels)}
-        variables[f"nll_by_{dim}"] = xr.DataArray(
-            mean_after,
-            dims=("update_depth", "serving_depth", dim),
-            coords={
-                "update_depth": coords["update_depth"].values,
-                "serving_depth": coords["serving_depth"].values,
-                **labels,
-            },
-        )
-        variables[f"nll_before_by_{dim}"] = xr.DataArray(
-            mean_before, dims=("serving_depth", dim), coords={"serving_depth": coords["serving_depth"].values, **labels}
-        )
-        variables[f"targets_by_{dim}"] = xr.DataArray(counts.astype(np.int64), dims=(dim,), coords=labels)
+        variables[f"nll_by_{dim}"] = xr.DataArray(mean_after, dims=("update_depth", "serving_depth", dim))
+        variables[f"nll_before_by_{dim}"] = xr.DataArray(mean_before, dims=("serving_depth", dim))
+        variables[f"targets_by_{dim}"] = xr.DataArray(counts.astype(np.int64), coords={dim: list(grouping.labels)})
     return variables
