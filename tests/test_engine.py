@@ -20,7 +20,17 @@ from common.choices import RMS_MATCH_CHOICES
 from common.errors import InputError
 from diag.arithmetic.engine import DiagnosticOptions, UpdateDiagnostic
 from diag.arithmetic.measures import global_cosine, global_rms, match_rms
-from diag.arithmetic.model_checks import BiasCorrectionWarning, UnchangedByDepthWarning, bias_correction_message
+from diag.arithmetic.model_checks import (
+    PERTURBATION,
+    BiasCorrectionWarning,
+    UnchangedByDepthWarning,
+    accepted_keywords,
+    bias_correction_message,
+    check_gradient_coverage,
+    no_gradient_message,
+    with_perturbed_weights,
+)
+from diag.arithmetic.random_streams import CRN_SEED
 from trainer.config import OptimConfig
 from trainer.loss import clip_gradients_, training_loss
 from trainer.model import LoopedTransformer, ModelConfig
@@ -575,6 +585,54 @@ def test_a_model_that_does_not_use_its_depth_yet_is_diagnosed_with_a_warning():
         )
     assert ds.nll_before.values[0] == ds.nll_before.values[1]  # alike before the update
     assert ds.nll.values[1, 0] != ds.nll.values[1, 1]  # the update makes the depths differ
+
+
+def test_the_perturbation_adds_a_tenth_of_each_tensors_rms_in_noise_of_its_own_stream():
+    """The weights the depth keyword is probed with: each floating tensor plus noise of 0.1 times
+    its RMS (at least 0.1), drawn in float32 from a generator of its own in the tensors' order,
+    in the tensor's own dtype; integer tensors and the caller's random stream untouched."""
+    params = {
+        "weight": torch.randn(3, 4, dtype=torch.float64),
+        "zeros": torch.zeros(5),
+        "empty": torch.zeros(0),
+        "steps": torch.arange(3),
+        "half": torch.randn(6).bfloat16(),
+    }
+    torch.manual_seed(1)
+    caller_stream = torch.get_rng_state()
+    torch.set_default_dtype(torch.float64)  # the noise is float32 whatever the default
+    try:
+        perturbed = with_perturbed_weights(params)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert torch.equal(torch.get_rng_state(), caller_stream)
+    generator = torch.Generator().manual_seed(CRN_SEED)
+    for name, value in params.items():
+        if not value.is_floating_point():
+            assert perturbed[name] is value
+            continue
+        rms = value.double().square().mean().sqrt().item() if value.numel() else 0.0
+        noise = torch.randn(value.shape, generator=generator, dtype=torch.float32)
+        expected = value + (PERTURBATION * max(rms, PERTURBATION) * noise).to(value.dtype)
+        assert perturbed[name].dtype == value.dtype and torch.equal(perturbed[name], expected), name
+    assert not torch.equal(perturbed["zeros"], params["zeros"])  # a tensor of zeros moves too
+
+
+def test_a_gradient_that_misses_parameters_names_their_first_four_modules():
+    missing = ["a.w", "a.b", "b.w", "c", "d.e.w", "f.w"]
+    assert no_gradient_message(missing, 10, 3, "the fix") == (
+        "6 of 10 trainable parameters get no gradient at update depth 3 (a, b, c, d.e and 1 more); the fix"
+    )
+    assert "(a, b, c, d.e); " in no_gradient_message(missing[:5], 10, 3, "the fix")
+    with pytest.raises(InputError, match=r"^1 of 2 trainable parameters get no gradient at update depth 4 \(y\)"):
+        check_gradient_coverage(["x.w", "y"], [torch.zeros(1), None], 4)
+    check_gradient_coverage(["x.w", "y"], [torch.zeros(1), torch.zeros(1)], 4)  # every one reached: nothing to say
+
+
+def test_a_forward_without_a_readable_signature_is_named_as_such():
+    model = nn.Module()
+    model.forward = torch.relu  # a C function: inspect.signature cannot read it
+    assert accepted_keywords(model) == "its keywords are not readable"
 
 
 def test_evaluation_weights_chunks_by_token_count():

@@ -63,7 +63,7 @@ def with_perturbed_weights(params: dict[str, Tensor]) -> dict[str, Tensor]:
     perturbed = {}
     for name, value in params.items():
         if value.is_floating_point():
-            rms = float(value.double().square().mean().sqrt()) if value.numel() else 0.0
+            rms = float(value.double().square().mean().sqrt())  # NaN for an empty tensor, which gets no noise
             noise = torch.randn(value.shape, generator=generator, dtype=torch.float32)
             value = value + (PERTURBATION * max(rms, PERTURBATION) * noise).to(value.device, value.dtype)
         perturbed[name] = value
@@ -128,7 +128,7 @@ UNREACHED_FIX = (
 def no_gradient_message(missing: list[str], trainable: int, depth: int, fix: str) -> str:
     """The refusal of a gradient that leaves the parameters `missing` out: an update made of zeros
     there would be measured as if those parameters did not matter. `fix` says what to do."""
-    modules = list(dict.fromkeys(name.rsplit(".", 1)[0] if "." in name else name for name in missing))
+    modules = list(dict.fromkeys(name.rsplit(".", 1)[0] for name in missing))  # a top-level name is its own module
     shown = ", ".join(modules[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
     return (
         f"{len(missing)} of {trainable} trainable parameters get no gradient at update depth {depth} ({shown}); {fix}"
