@@ -30,7 +30,7 @@ from diag.arithmetic.model_checks import (
     no_gradient_message,
     with_perturbed_weights,
 )
-from diag.arithmetic.random_streams import CRN_SEED
+from diag.arithmetic.random_streams import CRN_SEED, sequence_seed
 from trainer.config import OptimConfig
 from trainer.loss import clip_gradients_, training_loss
 from trainer.model import LoopedTransformer, ModelConfig
@@ -627,6 +627,14 @@ def test_a_gradient_that_misses_parameters_names_their_first_four_modules():
     with pytest.raises(InputError, match=r"^1 of 2 trainable parameters get no gradient at update depth 4 \(y\)"):
         check_gradient_coverage(["x.w", "y"], [torch.zeros(1), None], 4)
     check_gradient_coverage(["x.w", "y"], [torch.zeros(1), torch.zeros(1)], 4)  # every one reached: nothing to say
+
+
+def test_each_evaluation_sequence_has_its_own_stream_from_the_projects_seeding_recipe():
+    """Sequence i's seed is the first 63-bit draw of numpy's PCG64 seeded with [CRN_SEED, i]
+    (trainer/rng.py's recipe), so another implementation can replay a random forward's noise."""
+    seeds = [sequence_seed(index) for index in range(64)]
+    assert seeds[:3] == [int(np.random.Generator(np.random.PCG64([CRN_SEED, i])).integers(2**63)) for i in range(3)]
+    assert len(set(seeds)) == 64 and max(seeds) > 2**62 and min(seeds) >= 0
 
 
 def test_a_forward_without_a_readable_signature_is_named_as_such():
