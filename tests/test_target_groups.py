@@ -52,6 +52,23 @@ def looped():
     return trained(model, "depth", 2, tokens(4, 1))
 
 
+class DroppedLogits(torch.nn.Module):
+    """A looped model with dropout on its logits, which an evaluation in eval mode leaves out."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner, self.drop = inner, torch.nn.Dropout(0.5)
+
+    def forward(self, input_ids, depth):
+        return self.drop(self.inner(input_ids, depth=depth))
+
+
+def dropped_logits():
+    model, _ = looped()
+    model = DroppedLogits(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
 def huginn():
     torch.manual_seed(0)
     return trained(HuginnConvention(VOCAB, 16), "num_steps", (1, 2), tokens(4, 1))
@@ -66,8 +83,8 @@ def groupings(eval_tokens: torch.Tensor) -> list[TargetGroups]:
 
 @pytest.mark.parametrize(
     "build, family",
-    [(looped, None), (huginn, diag.HUGINN)],
-    ids=["depthdiag", "huginn-random-forward"],
+    [(looped, None), (dropped_logits, None), (huginn, diag.HUGINN)],
+    ids=["depthdiag", "dropout-left-out-in-eval", "huginn-random-forward"],
 )
 def test_a_groups_nll_is_the_nll_of_its_targets_alone_and_the_groups_give_back_the_headline(build, family):
     model, optimizer = build()
