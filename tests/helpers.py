@@ -1,6 +1,7 @@
 """Helpers shared by several test files: test files import them from here, never from each other.
 
-- processes that hold an output's lock (start_holder);
+- processes that hold an output's lock (start_holder), and a child's SIGINT at its default
+  (sigint_at_its_default);
 - the tiny text-corpus training run of the training-loop tests and its metrics
   (text_corpus, tiny_config, read_metrics, without_wall_time, Interrupt, assert_same_payload);
 - torchrun with gloo processes on the CPU (DDP_CONFIG, torchrun_train, run_depthdiag);
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -40,6 +42,13 @@ with exclusive_output(sys.argv[1]):
     print("held", flush=True)
     sys.stdin.read()
 """
+
+
+def sigint_at_its_default() -> None:
+    """A child process's preexec_fn for a test that interrupts it: SIGINT back to its default. A
+    shell without job control starts background commands with SIGINT ignored, the child would
+    inherit that, and Python would then never raise KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def start_holder(output: str | Path) -> subprocess.Popen:

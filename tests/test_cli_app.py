@@ -10,7 +10,7 @@ from pathlib import Path
 import h5py
 import pytest
 from click.testing import CliRunner
-from helpers import TOY_CONFIG, start_holder
+from helpers import TOY_CONFIG, sigint_at_its_default, start_holder
 
 from common.errors import InputError
 from depthdiag.cli import main
@@ -125,13 +125,11 @@ def test_an_interrupt_exits_130_or_143_with_one_line_keeping_the_checkpoints(tmp
     )
     config.write_text(long)
     run_dir = tmp_path / "run"
-    # SIGINT back to its default in the child: a shell without job control starts background
-    # commands with it ignored, and Python then never raises KeyboardInterrupt.
     process = subprocess.Popen(
         [sys.executable, "-m", "depthdiag", "train", str(config), "--out", str(run_dir), "--no-progress"],
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=sigint_at_its_default,
     )
     try:
         deadline = time.monotonic() + 120

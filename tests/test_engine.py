@@ -600,11 +600,12 @@ def test_the_perturbation_adds_a_tenth_of_each_tensors_rms_in_noise_of_its_own_s
     }
     torch.manual_seed(1)
     caller_stream = torch.get_rng_state()
+    default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)  # the noise is float32 whatever the default
     try:
         perturbed = with_perturbed_weights(params)
     finally:
-        torch.set_default_dtype(torch.float32)
+        torch.set_default_dtype(default)
     assert torch.equal(torch.get_rng_state(), caller_stream)
     generator = torch.Generator().manual_seed(CRN_SEED)
     for name, value in params.items():

@@ -362,15 +362,15 @@ print("not interrupted")
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_during_the_renames_cannot_split_the_figure(tmp_path, signum):
+    from helpers import sigint_at_its_default
+
     out = tmp_path / "figure.png"
-    # SIGINT back to its default in the child: a shell without job control starts background
-    # commands with it ignored, which the child would inherit.
     saved = subprocess.run(
         [sys.executable, "-c", INTERRUPTED_SAVE, str(out), str(int(signum))],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=sigint_at_its_default,
     )
     # The signal takes effect, once both files are in place.
     assert saved.returncode == -signum and "not interrupted" not in saved.stdout, saved.stderr
