@@ -35,39 +35,35 @@ MOST_SEEDS = 200
 """The largest seed count `seeds_needed` searches."""
 
 
-def _noncentral_t(n: int, shift: float):
-    """The t statistic of a mean over `n` units whose true mean is `shift` standard errors away."""
-    return scipy.stats.nct(df=n - 1, nc=shift)
-
-
-def _far_tail(probability: float) -> float:
-    """A tail probability of the noncentral t, whose series scipy cannot sum far out in the tail
-    (NaN where the true value is below about 1e-10): 0 there."""
-    return 0.0 if math.isnan(probability) else float(probability)
+def _upper_tail(n: int, shift: float, critical: float) -> float:
+    """P(T > critical) for the t statistic T of a mean over `n` units whose true mean is `shift`
+    standard errors from zero (noncentral t, n - 1 degrees of freedom). A lower tail P(T < -c) is
+    the upper tail of the opposite shift: scipy's noncentral cdf returns NaN far out in the lower
+    tail (a switch benefit 3 SD from zero at 10 seeds), its sf never did over 1 to 199 degrees of
+    freedom and shifts within +-200."""
+    return float(scipy.stats.nct(df=n - 1, nc=shift).sf(critical))
 
 
 def excludes_zero_probability(mean: float, sd: float, n: int, level: float = 0.95) -> float:
     """The probability that a Student-t interval over `n` independent units of mean `mean` and
     standard deviation `sd` excludes zero: P(|T| > t_crit), T noncentral t with n - 1 degrees of
-    freedom and noncentrality |mean| * sqrt(n) / sd (the interval is symmetric in the sign)."""
+    freedom and noncentrality mean * sqrt(n) / sd."""
     if n < 2 or not sd > 0:
         return math.nan
     critical = scipy.stats.t.ppf(0.5 + level / 2, df=n - 1)
-    t = _noncentral_t(n, abs(mean) * math.sqrt(n) / sd)
-    return float(t.sf(critical)) + _far_tail(t.cdf(-critical))
+    shift = mean * math.sqrt(n) / sd
+    return _upper_tail(n, shift, critical) + _upper_tail(n, -shift, critical)
 
 
 def below_bound_probability(mean: float, sd: float, n: int, level: float = 0.95) -> float:
     """The probability that the one-sided `level` upper bound of a mean over `n` units of mean
     `mean` and standard deviation `sd` lies below zero (the equivalence bound of
-    analysis.finishing, on margins b(N) - fraction * b(0)): P(T < -t_crit), which is
-    P(T' > t_crit) for T' of the opposite noncentrality."""
+    analysis.finishing, on margins b(N) - fraction * b(0)): P(T < -t_crit), the upper tail of
+    the opposite noncentrality."""
     if n < 2 or not sd > 0:
         return math.nan
     critical = scipy.stats.t.ppf(level, df=n - 1)
-    shift = -mean * math.sqrt(n) / sd
-    tail = _noncentral_t(n, shift).sf(critical)
-    return _far_tail(tail) if shift < 0 else float(tail)
+    return _upper_tail(n, -mean * math.sqrt(n) / sd, critical)
 
 
 def seeds_needed(probability, *, target: float = 0.9) -> int | None:
@@ -104,11 +100,12 @@ class MachineComparison:
     """The confidence level."""
     rows: list[dict]
     """Per snapshot: uniform_updates, and per machine (`machines`, in group order) mean, lower,
-    upper, n, excludes_zero and shown_below; the seed SD within machines (`seed_sd`, pooled),
-    the machine SD of one seed (`machine_sd`, pooled over seeds run on several machines, with
-    `paired_seeds`), the pooled interval over seeds each averaged over its machines (`pooled`),
-    and the verdict probabilities of a fresh run on an unknown machine (`excludes_zero_probability`
-    and `shown_below_probability`, by seed count, with `seeds_needed_*` for 90%)."""
+    upper, n, excludes_zero and shown_below; the seed SD within machines (`seed_sd`, pooled over
+    those with two seeds or more), the machine SD of one seed (`machine_sd`, pooled over seeds run
+    on several machines, with `paired_seeds`), the pooled interval over seeds each averaged over
+    its machines (`pooled`), and the verdict probabilities of a fresh run on an unknown machine
+    (`excludes_zero_probability` and `shown_below_probability`, by seed count, with
+    `seeds_needed_*` for 90%)."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -182,7 +179,8 @@ def machine_comparison(
                 }
             )
         within = [values.isel(snapshot=index).values for values in means]
-        seed_sd = math.sqrt(np.mean([np.var(v[np.isfinite(v)], ddof=1) for v in within]))
+        spreads = [np.var(v, ddof=1) for v in (w[np.isfinite(w)] for w in within) if v.size >= 2]
+        seed_sd = math.sqrt(np.mean(spreads)) if spreads else math.nan
         machine_sd = math.sqrt(np.mean([np.var(p[:, index], ddof=1) for p in paired])) if paired else math.nan
         mean, lower, upper, n = t_interval(seed_level[:, index], options.level)
         total_mean, total_sd = float(np.mean(replicates[:, index])), float(np.std(replicates[:, index], ddof=1))

@@ -2,6 +2,8 @@
 checked by hand, and the verdict probabilities against simulation."""
 
 import json
+import math
+import warnings
 
 import numpy as np
 import pytest
@@ -10,12 +12,17 @@ import xarray as xr
 from click.testing import CliRunner
 
 from analysis.machines import (
+    MOST_SEEDS,
+    SEED_COUNTS,
+    MachineComparison,
+    MachineGroup,
     below_bound_probability,
     excludes_zero_probability,
     format_machine_comparison,
     machine_comparison,
     seeds_needed,
 )
+from analysis.stats import IntervalOptions
 from analysis.store import write_dataset
 from common.errors import InputError
 from depthdiag.cli import main
@@ -25,9 +32,10 @@ MACHINE_A = {"cpu_model": "CPU A", "bf16_matmul": "brg_matmul:avx10_1_512_amx", 
 MACHINE_B = {"cpu_model": "CPU A", "bf16_matmul": "brg_matmul:avx512_core_bf16", "bf16_matrix_units": 0}
 
 
-def seed_file(path, seed: int, curve, machine: dict | None) -> str:
-    """A results file of one seed whose depth-averaged benefit per snapshot is `curve` exactly
-    (two batches and depths that average to it), computed on `machine`."""
+def seed_file(path, seed: int, curve, machine: dict | None, *, counts=COUNTS, trained: bool = True) -> str:
+    """A results file of one seed whose depth-averaged benefit per snapshot (uniform updates
+    `counts`) is `curve` exactly (two batches and depths that average to it), diagnosed on
+    `machine` and, where `trained`, trained on it."""
     curve = np.asarray(curve, dtype=float)
     spread = np.array([[-0.01, 0.01], [0.02, -0.02]])  # batch x depth, zero mean
     benefit = curve[:, None, None] + spread[None]
@@ -35,7 +43,7 @@ def seed_file(path, seed: int, curve, machine: dict | None) -> str:
     nll = np.stack([3.0 + benefit, np.full(shape, 3.0)], axis=2)
     attrs = {"seed": seed}
     if machine is not None:
-        attrs |= {"machine": json.dumps(machine), "trained_on": json.dumps([machine])}
+        attrs |= {"machine": json.dumps(machine)} | ({"trained_on": json.dumps([machine])} if trained else {})
     ds = xr.Dataset(
         {
             "nll": (("snapshot", "batch", "update_depth", "serving_depth"), nll),
@@ -46,9 +54,9 @@ def seed_file(path, seed: int, curve, machine: dict | None) -> str:
             "update_cosine": (("snapshot", "batch"), np.zeros(shape[:2])),
         },
         coords={
-            "snapshot": [f"u{c:04d}" for c in COUNTS],
-            "uniform_updates": ("snapshot", COUNTS),
-            "step": ("snapshot", [100 + c for c in COUNTS]),
+            "snapshot": [f"u{c:04d}" for c in counts],
+            "uniform_updates": ("snapshot", counts),
+            "step": ("snapshot", [100 + c for c in counts]),
             "batch": [0, 1],
             "update_depth": [4, 16],
             "serving_depth": [1, 2],
@@ -145,3 +153,203 @@ def test_far_out_the_probabilities_are_certainties_not_nan():
     assert excludes_zero_probability(-0.83, 0.28, 10) == pytest.approx(1.0)
     assert below_bound_probability(-0.5, 0.01, 10) == pytest.approx(1.0)
     assert below_bound_probability(0.5, 0.01, 10) == 0.0
+    assert below_bound_probability(0.5, 0.039, 10) == 0.0  # where scipy's lower-tail cdf is NaN
+    critical = scipy.stats.t.ppf(0.95, 9)
+    assert math.isnan(scipy.stats.nct(df=9, nc=0.5 * math.sqrt(10) / 0.039).cdf(-critical))
+
+
+def test_the_probabilities_need_two_units_and_a_spread_and_split_the_level_at_zero():
+    for probability in (excludes_zero_probability, below_bound_probability):
+        assert math.isnan(probability(0.1, 0.05, 1))
+        assert math.isnan(probability(0.1, 0.0, 5))
+        assert 0 < probability(0.1, 0.05, 2) < 1
+    # A true mean of zero: each tail holds half of 1 - level, one-sided the bound's whole 1 - level.
+    assert excludes_zero_probability(0.0, 1.0, 5) == pytest.approx(0.05)
+    assert excludes_zero_probability(0.0, 1.0, 5, level=0.8) == pytest.approx(0.2)
+    assert below_bound_probability(0.0, 1.0, 5) == pytest.approx(0.05)
+    assert below_bound_probability(0.0, 1.0, 5, level=0.8) == pytest.approx(0.2)
+
+
+def test_seeds_needed_searches_two_to_most_seeds_and_a_reached_target_counts():
+    assert seeds_needed(lambda n: 1.0) == 2
+    assert seeds_needed(lambda n: 0.9 if n == 7 else 0.0) == 7
+    assert seeds_needed(lambda n: 0.5 if n == 7 else 0.0, target=0.5) == 7
+    assert seeds_needed(lambda n: float(n == MOST_SEEDS)) == MOST_SEEDS
+    assert seeds_needed(lambda n: float(n > MOST_SEEDS)) is None
+
+
+def test_machines_are_told_apart_by_their_records_alone(tmp_path, two_machines):
+    # The same machine's record with its keys in another order, and a file that records the
+    # machine that diagnosed it but none that trained it (snapshots of an older trainer).
+    reordered = dict(reversed(MACHINE_B.items()))
+    third = seed_file(tmp_path / "b3.h5", 3, [0.7, 0.04, 0.01], reordered)
+    untrained = seed_file(tmp_path / "c.h5", 4, [0.7, 0.04, 0.01], MACHINE_A, trained=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a machine of one seed has no seed spread
+        comparison = machine_comparison([*two_machines, third, untrained])
+    groups = comparison.groups
+    assert [group.seeds for group in groups] == [[0, 1, 2], [0, 1, 2, 3], [4]]
+    assert groups[2].trained_on == [] and groups[2].diagnosed_on == MACHINE_A
+    # The seed SD pools the two machines with seeds to spread; the third adds nothing.
+    a = np.array(list(CURVES_A.values()))[:, 1]
+    b = np.array([*(c[1] for c in CURVES_B.values()), 0.04])
+    expected = np.sqrt((a.var(ddof=1) + b.var(ddof=1)) / 2)
+    assert comparison.rows[1]["seed_sd"] == pytest.approx(expected)
+
+
+def test_machines_must_share_the_snapshot_grid(tmp_path, two_machines):
+    other = seed_file(tmp_path / "c.h5", 0, [1.0, 0.05, 0.02], {"cpu_model": "CPU C"}, counts=[0, 4, 8])
+    for files in ([*two_machines, other], [other, *two_machines]):
+        with pytest.raises(InputError, match="uniform updates differ from"):
+            machine_comparison(files)
+
+
+@pytest.mark.parametrize(("fraction", "level"), [(0.05, 0.95), (0.5, 0.9)])
+def test_the_rows_follow_the_fraction_and_level_asked_for(two_machines, fraction, level):
+    """Every number of a row recomputed from the seeds' curves: the machines' intervals and
+    verdicts, the pooled interval and the verdict probabilities of a fresh run."""
+    comparison = machine_comparison(two_machines, fraction=fraction, options=IntervalOptions(level=level))
+    assert (comparison.fraction, comparison.level) == (fraction, level)
+    a, b = np.array(list(CURVES_A.values())), np.array(list(CURVES_B.values()))  # [seed, snapshot]
+    runs = np.concatenate([a, b])
+    margins = runs - fraction * runs[:, :1]
+    verdicts = set()
+    for index, row in enumerate(comparison.rows):
+        for machine, curves in zip(row["machines"], (a, b)):
+            values = curves[:, index]
+            lower, upper = scipy.stats.t.interval(level, 2, values.mean(), scipy.stats.sem(values))
+            assert (machine["lower"], machine["upper"]) == pytest.approx((lower, upper))
+            assert machine["n"] == 3 and machine["excludes_zero"] == bool(lower > 0 or upper < 0)
+            if index == 0:
+                assert machine["shown_below"] is None
+            else:
+                margin = values - fraction * curves[:, 0]
+                bound = margin.mean() + scipy.stats.t.ppf(level, 2) * scipy.stats.sem(margin)
+                assert machine["shown_below"] == bool(bound < 0)
+            verdicts.add((machine["excludes_zero"], machine["shown_below"]))
+        pooled = (a[:, index] + b[:, index]) / 2
+        lower, upper = scipy.stats.t.interval(level, 2, pooled.mean(), scipy.stats.sem(pooled))
+        assert row["pooled"] == pytest.approx({"mean": pooled.mean(), "lower": lower, "upper": upper, "n": 3})
+
+        def excludes(n, values=runs[:, index]):
+            return excludes_zero_probability(values.mean(), values.std(ddof=1), n, level)
+
+        def below(n, values=margins[:, index]):
+            return below_bound_probability(values.mean(), values.std(ddof=1), n, level)
+
+        assert row["excludes_zero_probability"] == pytest.approx({str(k): excludes(k) for k in SEED_COUNTS})
+        assert row["seeds_needed_excludes_zero"] == seeds_needed(excludes)
+        if index == 0:
+            assert row["shown_below_probability"] is None and row["seeds_needed_shown_below"] is None
+        else:
+            assert row["shown_below_probability"] == pytest.approx({str(k): below(k) for k in SEED_COUNTS})
+            assert row["seeds_needed_shown_below"] == seeds_needed(below)
+    assert {excluded for excluded, _ in verdicts} == {True, False}  # both verdicts were checked
+
+
+def test_machines_without_a_seed_in_common_have_no_machine_spread(tmp_path, two_machines):
+    moved = [seed_file(tmp_path / f"m{s}.h5", s + 10, c, MACHINE_B) for s, c in CURVES_B.items()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no mean of an empty list of pairs
+        rows = machine_comparison([*two_machines[:3], *moved]).rows
+    assert all(math.isnan(row["machine_sd"]) and row["paired_seeds"] == 0 for row in rows)
+
+
+def test_the_comparison_reads_as_its_markdown_table():
+    """The Markdown of a comparison given by hand (not computed), line by line."""
+    diagnoser = {"cpu_model": "CPU D"}
+    comparison = MachineComparison(
+        groups=[
+            MachineGroup("machine 1", [MACHINE_A], diagnoser, ["a0.h5", "a1.h5"], [0, 1]),
+            MachineGroup("machine 2", [MACHINE_B], MACHINE_B, ["b0.h5"], [0]),
+        ],
+        fraction=0.05,
+        level=0.9,
+        rows=[
+            {
+                "uniform_updates": 0,
+                "machines": [
+                    {"mean": 0.9, "lower": 0.5, "upper": 1.3, "n": 2, "excludes_zero": True, "shown_below": None},
+                    {
+                        "mean": 1.1,
+                        "lower": math.nan,
+                        "upper": math.nan,
+                        "n": 1,
+                        "excludes_zero": False,
+                        "shown_below": None,
+                    },
+                ],
+                "seed_sd": 0.25,
+                "machine_sd": 0.125,
+                "paired_seeds": 1,
+                "pooled": {"mean": 1.0, "lower": 0.75, "upper": 1.25, "n": 2},
+                "run_sd": 0.2,
+                "excludes_zero_probability": {"5": 0.5, "10": 0.75, "20": 0.99},
+                "seeds_needed_excludes_zero": 12,
+                "shown_below_probability": None,
+                "seeds_needed_shown_below": None,
+            },
+            {
+                "uniform_updates": 16,
+                "machines": [
+                    {
+                        "mean": -0.01,
+                        "lower": -0.02,
+                        "upper": 0.005,
+                        "n": 2,
+                        "excludes_zero": False,
+                        "shown_below": True,
+                    },
+                    {
+                        "mean": 0.02,
+                        "lower": math.nan,
+                        "upper": math.nan,
+                        "n": 1,
+                        "excludes_zero": False,
+                        "shown_below": False,
+                    },
+                ],
+                "seed_sd": 0.0125,
+                "machine_sd": math.nan,
+                "paired_seeds": 1,
+                "pooled": {"mean": 0.005, "lower": -0.1, "upper": 0.11, "n": 2},
+                "run_sd": 0.015,
+                "excludes_zero_probability": {"5": 0.05, "10": 0.06, "20": 0.07},
+                "seeds_needed_excludes_zero": None,
+                "shown_below_probability": {"5": 0.1, "10": 0.2, "20": 0.3},
+                "seeds_needed_shown_below": 40,
+            },
+        ],
+    )
+    from common.provenance import describe_machine
+
+    a, b, d = describe_machine(MACHINE_A), describe_machine(MACHINE_B), describe_machine(diagnoser)
+    assert format_machine_comparison(comparison).splitlines() == [
+        "Machines (what trained each file's snapshots; what diagnosed them):",
+        "",
+        f"- **machine 1** (seeds 0 1): trained on {a}; diagnosed on {d}",
+        f"- **machine 2** (seeds 0): trained on {b}; diagnosed on {b}",
+        "",
+        "Depth-averaged benefit per snapshot, 90% Student-t CI over each machine's seeds; seed SD = the "
+        "spread of seed means within a machine (pooled), machine SD = the spread of one seed's mean across "
+        "machines (pooled over the seeds run on several); pooled = over seeds, each the mean of its machines. "
+        "Verdicts: 0 = the CI excludes zero, < 5% = the benefit is shown below 5% of the switch benefit "
+        "(one-sided 90% bound, paired by seed).",
+        "",
+        "| uniform updates | machine 1 | machine 2 | verdicts (0 / < 5%) | seed SD | machine SD | pooled |",
+        "|---:|---|---|---|---:|---:|---|",
+        "| 0 | +0.9000 [+0.5000, +1.3000] | +1.1000 n/a (too few units) | yes / - ; no / - | 0.2500 | 0.1250 "
+        "| +1.0000 [+0.7500, +1.2500] (2 seeds) |",
+        "| 16 | -0.0100 [-0.0200, +0.0050] | +0.0200 n/a (too few units) | no / yes ; no / no | 0.0125 | nan "
+        "| +0.0050 [-0.1000, +0.1100] (2 seeds) |",
+        "",
+        "How likely a fresh run of n seeds on any of these machines is to reach each verdict, from the mean "
+        "and SD of every (seed, machine) run (noncentral t), and the seeds a verdict needs to come out the "
+        "same way 90% of the time:",
+        "",
+        "| uniform updates | run SD | P(CI excludes 0), n = 5 / 10 / 20 | seeds for 90% | "
+        "P(shown < 5%), n = 5 / 10 / 20 | seeds for 90% |",
+        "|---:|---:|---|---:|---|---:|",
+        "| 0 | 0.2000 | 0.50 / 0.75 / 0.99 | 12 | - | - |",
+        "| 16 | 0.0150 | 0.05 / 0.06 / 0.07 | > 200 | 0.10 / 0.20 / 0.30 | 40 |",
+    ]
