@@ -32,13 +32,18 @@ MACHINE_A = {"cpu_model": "CPU A", "bf16_matmul": "brg_matmul:avx10_1_512_amx", 
 MACHINE_B = {"cpu_model": "CPU A", "bf16_matmul": "brg_matmul:avx512_core_bf16", "bf16_matrix_units": 0}
 
 
-def seed_file(path, seed: int, curve, machine: dict | None, *, counts=COUNTS, trained: bool = True) -> str:
+def seed_file(
+    path, seed: int, curve, machine: dict | None, *, counts=COUNTS, trained: bool = True, padded=False, label="u"
+) -> str:
     """A results file of one seed whose depth-averaged benefit per snapshot (uniform updates
-    `counts`) is `curve` exactly (two batches and depths that average to it), diagnosed on
-    `machine` and, where `trained`, trained on it."""
+    `counts`, named `label` and the count) is `curve` exactly (two batches and depths that
+    average to it), diagnosed on `machine` and, where `trained`, trained on it. `padded`: a third
+    batch, diagnosed at every snapshot but the last (NaN padding there)."""
     curve = np.asarray(curve, dtype=float)
-    spread = np.array([[-0.01, 0.01], [0.02, -0.02]])  # batch x depth, zero mean
+    spread = np.array([[-0.01, 0.01], [0.02, -0.02], [0.03, -0.03]])[: 3 if padded else 2]  # batch x depth, zero mean
     benefit = curve[:, None, None] + spread[None]
+    if padded:
+        benefit[-1, -1] = np.nan
     shape = benefit.shape
     nll = np.stack([3.0 + benefit, np.full(shape, 3.0)], axis=2)
     attrs = {"seed": seed}
@@ -54,10 +59,10 @@ def seed_file(path, seed: int, curve, machine: dict | None, *, counts=COUNTS, tr
             "update_cosine": (("snapshot", "batch"), np.zeros(shape[:2])),
         },
         coords={
-            "snapshot": [f"u{c:04d}" for c in counts],
+            "snapshot": [f"{label}{c:04d}" for c in counts],
             "uniform_updates": ("snapshot", counts),
             "step": ("snapshot", [100 + c for c in counts]),
-            "batch": [0, 1],
+            "batch": list(range(benefit.shape[1])),
             "update_depth": [4, 16],
             "serving_depth": [1, 2],
         },
@@ -197,23 +202,41 @@ def test_machines_are_told_apart_by_their_records_alone(tmp_path, two_machines):
     assert comparison.rows[1]["seed_sd"] == pytest.approx(expected)
 
 
-def test_machines_must_share_the_snapshot_grid(tmp_path, two_machines):
+def test_machines_must_share_the_snapshot_grid_not_its_names(tmp_path, two_machines):
     other = seed_file(tmp_path / "c.h5", 0, [1.0, 0.05, 0.02], {"cpu_model": "CPU C"}, counts=[0, 4, 8])
-    for files in ([*two_machines, other], [other, *two_machines]):
-        with pytest.raises(InputError, match="uniform updates differ from"):
+    for files, named in (([*two_machines, other], other), ([other, *two_machines], two_machines[0])):
+        with pytest.raises(InputError, match=f"{named}: its snapshots' uniform updates differ from {files[0]}'s"):
             machine_comparison(files)
+    # Snapshots are matched by their uniform updates: machine A's files may hold them in another
+    # order and machine B's may name them otherwise.
+    order = [2, 0, 1]
+    shuffled = [
+        seed_file(tmp_path / f"s{s}.h5", s, np.array(c)[order], MACHINE_A, counts=np.array(COUNTS)[order].tolist())
+        for s, c in CURVES_A.items()
+    ]
+    renamed = [seed_file(tmp_path / f"r{s}.h5", s, c, MACHINE_B, label="step") for s, c in CURVES_B.items()]
+    assert machine_comparison([*shuffled, *renamed]).rows == machine_comparison(two_machines).rows
 
 
-@pytest.mark.parametrize(("fraction", "level"), [(0.05, 0.95), (0.5, 0.9)])
+def test_a_snapshot_diagnosed_on_fewer_batches_is_the_mean_of_its_own(tmp_path, two_machines):
+    padded = [seed_file(tmp_path / f"p{s}.h5", s, c, MACHINE_A, padded=True) for s, c in CURVES_A.items()]
+    rows = machine_comparison([*padded, *two_machines[3:]]).rows
+    for row, expected in zip(rows, machine_comparison(two_machines).rows):
+        assert row["machines"][0]["mean"] == pytest.approx(expected["machines"][0]["mean"])
+        assert row["seed_sd"] == pytest.approx(expected["seed_sd"])
+
+
+@pytest.mark.parametrize(("fraction", "level"), [(0.05, 0.95), (0.5, 0.9), (0.1, 0.9)])
 def test_the_rows_follow_the_fraction_and_level_asked_for(two_machines, fraction, level):
     """Every number of a row recomputed from the seeds' curves: the machines' intervals and
-    verdicts, the pooled interval and the verdict probabilities of a fresh run."""
+    verdicts, the pooled interval and the verdict probabilities of a fresh run. At a fraction
+    of 0.1 one machine's verdict at 90% is not its verdict at 95%."""
     comparison = machine_comparison(two_machines, fraction=fraction, options=IntervalOptions(level=level))
     assert (comparison.fraction, comparison.level) == (fraction, level)
     a, b = np.array(list(CURVES_A.values())), np.array(list(CURVES_B.values()))  # [seed, snapshot]
     runs = np.concatenate([a, b])
     margins = runs - fraction * runs[:, :1]
-    verdicts = set()
+    verdicts, levels_disagree = set(), False
     for index, row in enumerate(comparison.rows):
         for machine, curves in zip(row["machines"], (a, b)):
             values = curves[:, index]
@@ -224,8 +247,11 @@ def test_the_rows_follow_the_fraction_and_level_asked_for(two_machines, fraction
                 assert machine["shown_below"] is None
             else:
                 margin = values - fraction * curves[:, 0]
-                bound = margin.mean() + scipy.stats.t.ppf(level, 2) * scipy.stats.sem(margin)
+                bound, bound_95 = (
+                    margin.mean() + scipy.stats.t.ppf(q, 2) * scipy.stats.sem(margin) for q in (level, 0.95)
+                )
                 assert machine["shown_below"] == bool(bound < 0)
+                levels_disagree |= (bound < 0) != (bound_95 < 0)
             verdicts.add((machine["excludes_zero"], machine["shown_below"]))
         pooled = (a[:, index] + b[:, index]) / 2
         lower, upper = scipy.stats.t.interval(level, 2, pooled.mean(), scipy.stats.sem(pooled))
@@ -245,14 +271,31 @@ def test_the_rows_follow_the_fraction_and_level_asked_for(two_machines, fraction
             assert row["shown_below_probability"] == pytest.approx({str(k): below(k) for k in SEED_COUNTS})
             assert row["seeds_needed_shown_below"] == seeds_needed(below)
     assert {excluded for excluded, _ in verdicts} == {True, False}  # both verdicts were checked
+    assert levels_disagree == (fraction == 0.1)
 
 
 def test_machines_without_a_seed_in_common_have_no_machine_spread(tmp_path, two_machines):
-    moved = [seed_file(tmp_path / f"m{s}.h5", s + 10, c, MACHINE_B) for s, c in CURVES_B.items()]
+    moved = [seed_file(tmp_path / f"m{s}.h5", s + 10, c, MACHINE_B) for s, c in CURVES_B.items() if s < 2]
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no mean of an empty list of pairs
         rows = machine_comparison([*two_machines[:3], *moved]).rows
     assert all(math.isnan(row["machine_sd"]) and row["paired_seeds"] == 0 for row in rows)
+    # Machine B's two seeds have a spread of their own.
+    a, b = np.array(list(CURVES_A.values())), np.array([CURVES_B[0], CURVES_B[1]])
+    assert [row["seed_sd"] for row in rows] == pytest.approx(
+        np.sqrt((a.var(axis=0, ddof=1) + b.var(axis=0, ddof=1)) / 2)
+    )
+
+
+def test_machines_of_one_seed_each_have_no_seed_spread_and_the_switch_is_never_bounded(tmp_path):
+    # A switch benefit below zero too: a bound below a fraction of it is no verdict to reach.
+    files = [seed_file(tmp_path / "a.h5", 0, [-0.5, 0.01, 0.0], MACHINE_A)]
+    files.append(seed_file(tmp_path / "b.h5", 0, [-0.4, 0.02, 0.01], MACHINE_B))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        rows = machine_comparison(files).rows
+    assert all(math.isnan(row["seed_sd"]) for row in rows)
+    assert rows[0]["shown_below_probability"] is None and rows[0]["seeds_needed_shown_below"] is None
 
 
 def test_the_comparison_reads_as_its_markdown_table():
