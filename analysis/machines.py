@@ -179,7 +179,8 @@ def machine_comparison(
                 }
             )
         within = [values.isel(snapshot=index).values for values in means]
-        spreads = [np.var(v, ddof=1) for v in (w[np.isfinite(w)] for w in within) if v.size >= 2]
+        finite = [v[np.isfinite(v)] for v in within]
+        spreads = [np.var(v, ddof=1) for v in finite if v.size >= 2]
         seed_sd = math.sqrt(np.mean(spreads)) if spreads else math.nan
         machine_sd = math.sqrt(np.mean([np.var(p[:, index], ddof=1) for p in paired])) if paired else math.nan
         mean, lower, upper, n = t_interval(seed_level[:, index], options.level)

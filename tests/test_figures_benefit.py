@@ -18,6 +18,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import xarray as xr  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
+from helpers import sigint_at_its_default  # noqa: E402
 from matplotlib.collections import PolyCollection  # noqa: E402
 from matplotlib.container import ErrorbarContainer  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
@@ -362,8 +363,6 @@ print("not interrupted")
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_during_the_renames_cannot_split_the_figure(tmp_path, signum):
-    from helpers import sigint_at_its_default
-
     out = tmp_path / "figure.png"
     saved = subprocess.run(
         [sys.executable, "-c", INTERRUPTED_SAVE, str(out), str(int(signum))],

@@ -25,6 +25,7 @@ from analysis.machines import (
 from analysis.stats import IntervalOptions
 from analysis.store import write_dataset
 from common.errors import InputError
+from common.provenance import describe_machine
 from depthdiag.cli import main
 
 COUNTS = [0, 4, 16]
@@ -364,8 +365,6 @@ def test_the_comparison_reads_as_its_markdown_table():
             },
         ],
     )
-    from common.provenance import describe_machine
-
     a, b, d = describe_machine(MACHINE_A), describe_machine(MACHINE_B), describe_machine(diagnoser)
     assert format_machine_comparison(comparison).splitlines() == [
         "Machines (what trained each file's snapshots; what diagnosed them):",
