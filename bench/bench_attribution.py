@@ -16,7 +16,7 @@ evaluation set), update depths 4 and 16, serving depths 1..16:
    attributes the larger pool (each less its memory before the model existed, glibc's malloc
    handing freed blocks back at once as bench/bench_scale.py sets it), beside what the design
    keeps on top of a unit: e_s and w_s (fp32) at every serving depth, 8 S bytes per trainable
-   parameter, one vectorised group's gradients at the deep update depth (4 bytes per parameter
+   parameter, one group's gradients at the deep update depth (4 bytes per parameter
    and row), and one float64 per sequence and serving depth. Contract: the pool's peak at most
    the unit's plus that.
 
@@ -40,7 +40,12 @@ sys.path.insert(0, str(ROOT))
 from bench_diag import alternated, snapshot_like, timed  # noqa: E402
 from bench_scale import _hand_freed_memory_back, _status_bytes  # noqa: E402
 
-from diag.arithmetic.attribution import SequenceAttribution, row_activation_bytes, vectorised_rows  # noqa: E402
+from diag.arithmetic.attribution import (  # noqa: E402
+    CAPTURED_ACTIVATION_FACTOR,
+    SequenceAttribution,
+    row_activation_bytes,
+    vectorised_rows,
+)
 from diag.arithmetic.engine import DiagnosticOptions, UpdateDiagnostic  # noqa: E402
 from trainer.config import RunConfig, load_config  # noqa: E402
 
@@ -122,7 +127,9 @@ def memory_probe(config_path: str, side: str) -> None:
     peak = _status_bytes("VmHWM") - before
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     deep = row_activation_bytes(attribution.diagnostic, batch[0], max(UPDATE_DEPTHS))
-    group = vectorised_rows(trainable, len(batch), deep, deep)  # rows one vmap pass at the deep depth holds
+    group = vectorised_rows(
+        trainable, len(batch), deep, deep, CAPTURED_ACTIVATION_FACTOR
+    )  # one group at the deep depth
     print(json.dumps({"peak_bytes": peak, "trainable_parameters": trainable, "vectorised_rows": group}))
 
 

@@ -33,6 +33,7 @@ from huginn_convention import HuginnConvention
 
 from common.errors import InputError
 from diag.arithmetic.attribution import (
+    CAPTURED_ACTIVATION_FACTOR,
     VECTORISED_ACTIVATION_FACTOR,
     attribute_benefit,
     saved_activation_bytes,
@@ -338,32 +339,113 @@ def test_batch_rows_sum_to_linear_benefit(with_pool):
         assert np.abs(got["attribution"].values[~in_batch]).min() > 0
 
 
-@pytest.mark.parametrize("way", ["vectorised", "batched"])
-def test_row_gradients_either_way_match_the_reference(way, monkeypatch):
+ROUTES = {
+    "captured": "_captured_row_gradients",
+    "vectorised": "_vmapped_row_gradients",
+    "batched": "_batched_row_gradients",
+}
+
+
+@pytest.mark.parametrize("way", list(ROUTES))
+def test_row_gradients_every_way_match_the_reference(way, monkeypatch):
     """The rows' gradients in groups of two (the batch's 3 rows split, the pool's 2 after them):
+    a LoopedTransformer's by hooks on one batched backward per group; as a model from elsewhere,
     by vmap, or, where vmap cannot batch the forward, by one backward per row of a batched
-    forward; either way the reference's attribution, and the way asked for is the way taken."""
+    forward; each way the reference's attribution, and the way asked for is the way taken."""
     from diag.arithmetic import attribution
 
-    used, unused = ("_vmapped_row_gradients", "_batched_row_gradients")[:: 1 if way == "vectorised" else -1]
+    calls = {route: [] for route in ROUTES.values()}
 
-    def refused(*args, **kwargs):
-        if way == "vectorised":
-            pytest.fail("the rows' gradients were not vectorised")
-        raise NotImplementedError("no batching rule")  # what vmap raises for such an operation
+    def recording(route):
+        kept = getattr(attribution, route)
 
-    taken, kept = [], getattr(attribution, used)
-    monkeypatch.setattr(attribution, unused, refused)
-    monkeypatch.setattr(
-        attribution, used, lambda diagnostic, part, *rest: taken.append(len(part)) or kept(diagnostic, part, *rest)
-    )
+        def recorded(diagnostic, part, *rest):
+            calls[route].append(len(part))
+            if way == "batched" and route == ROUTES["vectorised"]:
+                raise NotImplementedError("no batching rule")  # what vmap raises for such an operation
+            return kept(diagnostic, part, *rest)
+
+        return recorded
+
+    for route in ROUTES.values():
+        monkeypatch.setattr(attribution, route, recording(route))
+    if way != "captured":
+        monkeypatch.setattr(attribution, "_captures", lambda diagnostic: False)
     monkeypatch.setattr(attribution, "vectorised_rows", lambda *sizes: 2)
     got = attribute_case("looped-adamw")
     attribution_want, linear_benefit, _, _ = assemble(reference_case("looped-adamw"), CASES["looped-adamw"][5])
     assert_close(got["attribution"].values, attribution_want)
     assert_close(got["linear_benefit"].values, linear_benefit)
-    # per update depth: vmap in groups of 2 (2 + 1 batch rows, 2 pool rows); batched: the batch, then the pool
-    assert taken == ([2, 1, 2] if way == "vectorised" else [3, 2]) * 2
+    # per update depth: groups of 2 (2 + 1 batch rows, 2 pool rows); batched: the batch, then the pool,
+    # after vmap refused the first group
+    want = {route: [] for route in ROUTES.values()}
+    want[ROUTES[way]] = ([2, 1, 2] if way != "batched" else [3, 2]) * 2
+    if way == "batched":
+        want[ROUTES["vectorised"]] = [2, 2]
+    assert calls == want
+
+
+@pytest.mark.parametrize("variant", ["tied", "truncated", "frozen embedding", "bf16"])
+def test_captured_row_gradients_are_each_rows_own_gradient(variant):
+    """Each row's gradient by hooks against its own forward and backward, for a LoopedTransformer
+    whose head is its embedding, one that truncates backprop, one whose embedding does not
+    train (the graph's root is its output all the same), and one under bf16 autocast (the
+    products in bf16 as autocast computes them: within bf16 rounding)."""
+    from diag.arithmetic import attribution
+    from diag.arithmetic.engine import DiagnosticOptions, UpdateDiagnostic
+
+    torch.manual_seed(0)
+    config = ModelConfig(
+        vocab_size=VOCAB, max_seq_len=SEQ, d_model=16, n_heads=2, n_prelude=1, n_core=1, n_coda=1,
+        tie_embeddings=variant == "tied", backprop_depth=1 if variant == "truncated" else 0,
+    )  # fmt: skip
+    model = LoopedTransformer(config)
+    if variant != "bf16":
+        model.double()
+    if variant == "frozen embedding":
+        model.embed.weight.requires_grad_(False)
+    options = DiagnosticOptions(update_depths=(1, 3), serving_depths=SERVING, precision="fp32")
+    if variant == "bf16":
+        options = dataclasses.replace(options, precision="bf16")
+    diagnostic = UpdateDiagnostic(model, sgd(model), tokens(4, 2), options)
+    assert attribution._captures(diagnostic)
+    rows, count = tokens(3, 1), 7.0
+    got = attribution._captured_row_gradients(diagnostic, rows, 3, count)
+    params = dict(model.train().named_parameters())
+    for i, row in enumerate(rows):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant == "bf16"):
+            logits = model(row[None, :-1], depth=3)
+        grads = torch.autograd.grad(
+            summed_ce(logits.float(), row[None]) / count,
+            [params[n] for n in diagnostic.stepped if params[n].requires_grad],
+        )
+        want = iter(grads)
+        for name, g in zip(diagnostic.stepped, got):
+            expected = next(want) if params[name].requires_grad else torch.zeros_like(params[name])
+            if variant == "bf16":  # one bf16 rounding of each product, relative to the tensor's size
+                assert float((g[i] - expected).norm()) <= 2e-2 * float(expected.norm()), name
+            else:
+                assert_close(g[i].double().numpy(), expected.numpy(), rtol=1e-6)
+
+
+def test_captured_route_leaves_out_what_it_has_no_hook_for():
+    """A LoopedTransformer holding a bias, or a module of another kind, is not captured; the
+    models the engine knows nothing about never are."""
+    from diag.arithmetic import attribution
+    from diag.arithmetic.engine import DiagnosticOptions, UpdateDiagnostic
+
+    def captures(model):
+        options = DiagnosticOptions(update_depths=(1, 3), serving_depths=SERVING)
+        return attribution._captures(UpdateDiagnostic(model, sgd(model), tokens(4, 2), options))
+
+    assert captures(looped_model())
+    biased = looped_model()
+    biased.head.bias = torch.nn.Parameter(torch.zeros(VOCAB, dtype=torch.float64))
+    assert not captures(biased)
+    other = looped_model()
+    other.extra = torch.nn.LayerNorm(16).double()  # a parameter-holding module without a hook
+    assert not captures(other)
+    assert not captures(Wrapped(looped_model()))
 
 
 def test_saved_activation_bytes_count_what_the_backward_keeps_once_and_no_parameter():
@@ -378,21 +460,22 @@ def test_saved_activation_bytes_count_what_the_backward_keeps_once_and_no_parame
     assert saved_activation_bytes(lambda: F.linear(x, weight)) == x.nbytes + weight.nbytes
 
 
-def test_vectorised_groups_fit_in_what_the_batchs_own_backward_holds():
+def test_groups_fit_in_what_the_batchs_own_backward_holds():
     P, B, MB = 951_552, 32, 10**6  # configs/tiny-fp32.toml's model and batch, its rows' activations at depths 16 and 4
     deep, shallow = 23_580_416, 7_028_480
-    assert VECTORISED_ACTIVATION_FACTOR == 2
+    assert (VECTORISED_ACTIVATION_FACTOR, CAPTURED_ACTIVATION_FACTOR) == (2, 1)
     # at the deep depth: 32 rows of 23.6 MB held by the plain backward, a vectorised row holds 2 x 23.6 + 3.8 MB
-    assert vectorised_rows(P, B, deep, deep) == B * deep // (2 * deep + 4 * P) == 14
-    assert vectorised_rows(P, B, shallow, deep) == B  # at most the batch
-    assert vectorised_rows(P, B, 1, 1) == 1  # at least one
-    assert vectorised_rows(10 * P, B, MB, 10**4 * MB) == 7  # 256 MiB of gradients: seven rows of 38 MB
+    assert vectorised_rows(P, B, deep, deep, 2) == B * deep // (2 * deep + 4 * P) == 14
+    assert vectorised_rows(P, B, deep, deep, 1) == B * deep // (deep + 4 * P) == 27  # a captured row 23.6 + 3.8 MB
+    assert vectorised_rows(P, B, shallow, deep, 2) == B  # at most the batch
+    assert vectorised_rows(P, B, 1, 1, 1) == 1  # at least one
+    assert vectorised_rows(10 * P, B, MB, 10**4 * MB, 1) == 7  # 256 MiB of gradients: seven rows of 38 MB
 
 
 def test_rows_sum_to_linear_benefit_when_the_forward_depends_on_the_batch():
     """A LoopedTransformer with a noisy initial state draws its noise for the whole batch from a
-    fixed generator, so a row forwarded alone sees another row's noise: vmap refuses the draws,
-    and the rows come from the batch's own forward."""
+    fixed generator, so a row forwarded alone sees another row's noise: the rows' gradients come
+    from the batch's own forward, one group."""
     torch.manual_seed(0)
     config = ModelConfig(
         vocab_size=VOCAB, max_seq_len=SEQ, d_model=16, n_heads=2, n_prelude=1, n_core=1, n_coda=1,

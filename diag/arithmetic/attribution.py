@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 import xarray as xr
 from torch import Tensor
 from tqdm.auto import tqdm
@@ -43,7 +44,7 @@ from diag.arithmetic.measures import matching_factors
 from diag.arithmetic.optim_step import AdamStep, SGDStep
 from diag.arithmetic.random_streams import common_random_numbers, sequence_seed
 from trainer.loss import clip_coefficient, clip_gradients_, counted_targets, forward_precision, summed_token_loss
-from trainer.model import IGNORE_INDEX, LoopedTransformer
+from trainer.model import IGNORE_INDEX, LoopedTransformer, RMSNorm
 
 ATTRIBUTION_VARIABLES = (
     "attribution",
@@ -207,19 +208,7 @@ class SequenceAttribution:
         linear_benefit = [_dot(e, difference) for e in self._eval_gradients]
         del difference
 
-        attribution = torch.zeros(examples, len(options.serving_depths), dtype=torch.float64)  # [example, S]
-        trainable = sum(t.numel() for n, t in diagnostic.theta.items() if diagnostic.requires_grad[n])
-        saved = [row_activation_bytes(diagnostic, batch[0], depth) for depth in options.update_depths]
-        for k, depth in enumerate(options.update_depths):
-            weight = clip[k] * (1.0 if k == 0 else -1.0)
-            vmap_rows = vectorised_rows(trainable, len(batch), saved[k], max(saved))
-            for start, gradients in row_gradients(diagnostic, rows, depth, count, vmap_rows):
-                if start + len(gradients[0]) > len(batch):
-                    diagnostic.step.refuse_where_not_linear(gradients, remedy=ATTRIBUTION_REMEDY)
-                scored = attribution[start : start + len(gradients[0])]  # [rows, S]
-                for factor, w, g in zip(factors[k], self._directions, gradients):
-                    scored += (weight * factor) * (g.flatten(1).to(w.dtype) @ w.T)
-                bar.update(len(gradients[0]))
+        attribution = self._scored_rows(rows, count, clip, factors, bar)
         bar.close()
         unit = diagnostic.compare(batch)
         default = diagnostic.with_isolation("counterfactual")
@@ -246,6 +235,27 @@ class SequenceAttribution:
             clip_coefficient=(("update_depth",), np.array(clip)),
             example_tokens=(("example", "token"), torch.cat(rows).cpu().numpy()),
         ).assign_coords(example=np.arange(examples), in_batch=("example", np.arange(examples) < len(batch)))
+
+    def _scored_rows(
+        self, rows: list[Tensor], count: float, clip: list[float], factors: list[list[float]], bar
+    ) -> Tensor:
+        """attribution [example, S] of the rows of `rows` (the batch, then the pool), one group
+        of their gradients at a time; the last group's gradients go when this returns, before the
+        unit's own passes."""
+        diagnostic, options = self.diagnostic, self.diagnostic.options
+        batch = rows[0]
+        attribution = torch.zeros(sum(len(r) for r in rows), len(options.serving_depths), dtype=torch.float64)
+        saved = [row_activation_bytes(diagnostic, batch[0], depth) for depth in options.update_depths]
+        for k, depth in enumerate(options.update_depths):
+            weight = clip[k] * (1.0 if k == 0 else -1.0)
+            for start, gradients in row_gradients(diagnostic, rows, depth, count, saved[k], max(saved)):
+                if start + len(gradients[0]) > len(batch):
+                    diagnostic.step.refuse_where_not_linear(gradients, remedy=ATTRIBUTION_REMEDY)
+                scored = attribution[start : start + len(gradients[0])]  # [rows, S]
+                for factor, w, g in zip(factors[k], self._directions, gradients):
+                    scored += (weight * factor) * (g.flatten(1).to(w.dtype) @ w.T)
+                bar.update(len(gradients[0]))
+        return attribution
 
 
 def _dot(a: Sequence[Tensor], b: Sequence[Tensor]) -> float:
@@ -314,13 +324,20 @@ def full_backprop(model: torch.nn.Module) -> Iterator[None]:
 
 
 ROW_GRADIENT_BYTES = 1 << 28
-"""How much memory the per-sequence gradients of one vectorised pass may hold (fp32)."""
+"""How much memory the per-sequence gradients of one group may hold (fp32)."""
 
 VECTORISED_ACTIVATION_FACTOR = 2
 """A vectorised backward holds about this many times the activations autograd saves for its
 rows' forward, besides one gradient per row (measured on configs/tiny-fp32.toml's model, per
 row: 23.6 MB saved at depth 16 and 47.4 MB held in groups of 8 to 32; 7.0 and 17.2 MB at depth
 4; a plain backward holds what it saved, 24.1 MB)."""
+
+CAPTURED_ACTIVATION_FACTOR = 1
+"""A captured backward (`_captured_row_gradients`) holds about the activations autograd saves for
+its rows' forward, besides one gradient per row: it keeps each module's input where autograd
+would have kept it for the parameter's gradient (measured on configs/tiny-fp32.toml's model at
+depth 16: 32 rows hold 823 MB, 25.7 MB a row with its 3.8 MB gradient; the batch's plain backward
+772 MB)."""
 
 
 def saved_activation_bytes(forward: Callable[[], object], exclude: Iterable[Tensor] = ()) -> int:
@@ -340,15 +357,17 @@ def saved_activation_bytes(forward: Callable[[], object], exclude: Iterable[Tens
     return sum(saved.values())
 
 
-def vectorised_rows(trainable_parameters: int, batch_rows: int, row_bytes: int, deep_row_bytes: int) -> int:
-    """The rows `row_gradients` takes in one vectorised pass at an update depth whose forward saves
+def vectorised_rows(
+    trainable_parameters: int, batch_rows: int, row_bytes: int, deep_row_bytes: int, activation_factor: int
+) -> int:
+    """The rows `row_gradients` takes in one group at an update depth whose forward saves
     `row_bytes` of activations per row, where the update depth that saves most (the deep one,
     unless a truncation says otherwise) saves `deep_row_bytes`: as many as ROW_GRADIENT_BYTES
-    holds at 4 bytes per trainable parameter, and as many as fit, at VECTORISED_ACTIVATION_FACTOR
-    times their activations and one gradient each, in what the batch's own backward at that depth
+    holds at 4 bytes per trainable parameter, and as many as fit, at `activation_factor` times
+    their activations and one gradient each, in what the batch's own backward at that depth
     holds (so a pool needs no more memory than the unit); at least one, at most the batch's rows."""
     gradient = 4 * trainable_parameters
-    fit = batch_rows * deep_row_bytes // (VECTORISED_ACTIVATION_FACTOR * row_bytes + gradient)
+    fit = batch_rows * deep_row_bytes // (activation_factor * row_bytes + gradient)
     return max(1, min(batch_rows, ROW_GRADIENT_BYTES // gradient, fit))
 
 
@@ -362,28 +381,45 @@ def row_activation_bytes(diagnostic: UpdateDiagnostic, row: Tensor, depth: int) 
 
 
 def row_gradients(
-    diagnostic: UpdateDiagnostic, chunks: Sequence[Tensor], depth: int, count: float, vmap_rows: int
+    diagnostic: UpdateDiagnostic,
+    chunks: Sequence[Tensor],
+    depth: int,
+    count: float,
+    row_bytes: int,
+    deep_row_bytes: int,
 ) -> Iterator[tuple[int, list[Tensor]]]:
     """g_K,i for the rows of `chunks` (the batch, then the pool), some rows at a time: (the index
     of the first row over all chunks, the gradients in flat order, each [rows, *shape], fp32), the
-    gradient of each row's summed token loss at training depth `depth` divided by `count`.
+    gradient of each row's summed token loss at training depth `depth` divided by `count`. A
+    group takes `vectorised_rows` rows (`row_bytes` and `deep_row_bytes`: what one row's forward
+    saves at this depth and at the update depth that saves most).
 
-    A forward that draws no random numbers runs `torch.func.vmap` of one row's gradient over
-    `vmap_rows` rows at a time (`vectorised_rows`: one batched forward and backward). One that
+    A LoopedTransformer's rows come from one batched forward and backward per group, each row's
+    parameter gradients formed by hooks from its activations (`_captured_row_gradients`); a
+    noisy initial state, drawn for the whole forward, puts the batch's rows in one group and the
+    pool's in groups of as many, so that the rows' gradients sum to the batch's. Another model
+    whose forward draws no random numbers runs `torch.func.vmap` of one row's gradient. One that
     draws random numbers (or one vmap cannot batch: it reads a value out of a tensor) runs the
-    batch's rows as one forward, from the stream the diagnostic's gradient starts from, so that
-    their gradients sum to the batch's, and the pool's in forwards of as many rows; then one
-    backward per row."""
+    batch's rows as one forward, from the stream the diagnostic's gradient starts from, and the
+    pool's in forwards of as many rows; then one backward per row."""
     batch_rows = len(chunks[0])
-    vectorised = not diagnostic.random_forward
+    trainable = sum(t.numel() for n, t in diagnostic.theta.items() if diagnostic.requires_grad[n])
+    captured = _captures(diagnostic)
+    vectorised = not captured and not diagnostic.random_forward
+    factor = CAPTURED_ACTIVATION_FACTOR if captured else VECTORISED_ACTIVATION_FACTOR
+    group = vectorised_rows(trainable, batch_rows, row_bytes, deep_row_bytes, factor)
+    if captured and diagnostic.model.config.init_state != "zeros":
+        group = batch_rows
     first = 0
     for chunk in chunks:
         start = 0
         while start < len(chunk):
             gradients = None
-            if vectorised:
+            if captured:
+                gradients = _captured_row_gradients(diagnostic, chunk[start : start + group], depth, count)
+            elif vectorised:
                 try:
-                    gradients = _vmapped_row_gradients(diagnostic, chunk[start : start + vmap_rows], depth, count)
+                    gradients = _vmapped_row_gradients(diagnostic, chunk[start : start + group], depth, count)
                 except (RuntimeError, NotImplementedError):  # random draws, or an operation vmap cannot batch
                     vectorised = False
             if gradients is None:
@@ -413,6 +449,109 @@ def _vmapped_row_gradients(diagnostic: UpdateDiagnostic, part: Tensor, depth: in
         by_name = torch.func.vmap(torch.func.grad(row_loss), in_dims=(None, 0), randomness="error")(trainable, part)
     return [
         by_name[n].detach().float() if n in by_name else theta[n].new_zeros((len(part), *theta[n].shape)).float()
+        for n in diagnostic.stepped
+    ]
+
+
+CAPTURED_MODULES = (torch.nn.Linear, torch.nn.Embedding, RMSNorm)
+"""The modules whose parameters' per-sequence gradients `_captured_row_gradients` forms."""
+
+
+def _parameter_owners(model: torch.nn.Module) -> dict[torch.nn.Module, dict[str, str]]:
+    """Each module holding a trainable parameter -> {its attribute: the parameter's name}."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return {
+        module: own
+        for module in model.modules()
+        if (own := {a: names[id(p)] for a, p in module.named_parameters(recurse=False) if p.requires_grad})
+    }
+
+
+def _captures(diagnostic: UpdateDiagnostic) -> bool:
+    """Whether `_captured_row_gradients` serves the diagnostic's model: a LoopedTransformer whose
+    forward draws no random numbers, every trainable parameter the weight of a CAPTURED_MODULES
+    module (a bias would have no hook)."""
+    model = diagnostic.model
+    return (
+        isinstance(model, LoopedTransformer)
+        and not diagnostic.random_forward
+        and all(
+            isinstance(m, CAPTURED_MODULES) and set(own) == {"weight"} for m, own in _parameter_owners(model).items()
+        )
+    )
+
+
+def _captured_row_gradients(diagnostic: UpdateDiagnostic, part: Tensor, depth: int, count: float) -> list[Tensor]:
+    """Each row's gradient from one batched forward and backward of `part` through a
+    LoopedTransformer, whose parameters all sit in Linear, Embedding and RMSNorm modules. The
+    parameters are held without gradient, so autograd differentiates the activations only (from
+    the embedding's output on); hooks on those modules take each call's input and, in the
+    backward, its output gradient, and form every row's parameter gradient from the two: for a
+    Linear weight the row's output gradient [T, out] transposed times its input [T, in], one
+    batched product per call, summed over the calls (the loop's iterations that carry gradient);
+    for an RMSNorm weight the output gradient times the normalised input, summed over tokens; for
+    the embedding the output gradient added into the rows of the row's tokens."""
+    model = diagnostic.model
+    owners = _parameter_owners(model)
+    owners.setdefault(model.embed, {})  # the graph's root, whether its weight trains or not
+    rows = len(part)
+    sums: dict[str, Tensor] = {}
+
+    def add(name: str, gradient: Tensor) -> None:  # gradient [rows, *shape]
+        dtype = diagnostic.theta[name].dtype
+        sums[name] = sums[name].add_(gradient) if name in sums else gradient.to(dtype)
+
+    def hook(module: torch.nn.Module, args: tuple, output: Tensor) -> Tensor | None:
+        own = owners[module]
+        x = args[0].detach()
+        if isinstance(module, torch.nn.Embedding):  # the graph's root: x [rows, T] token ids
+            output = output.detach().requires_grad_()
+
+            def backward(grad: Tensor) -> None:  # grad [rows, T, d]
+                if own:
+                    weight = grad.new_zeros((rows, *module.weight.shape), dtype=diagnostic.theta[own["weight"]].dtype)
+                    add(own["weight"], weight.scatter_add_(1, x[..., None].expand_as(grad), grad.to(weight.dtype)))
+
+            output.register_hook(backward)
+            return output
+        if not output.requires_grad:  # an iteration truncated backprop runs without gradient
+            return None
+        if isinstance(module, RMSNorm):
+            normalised = F.rms_norm(x.float(), module.normalized_shape, None, module.eps)  # [rows, T, d]
+
+            def backward(grad: Tensor) -> None:
+                add(own["weight"], (grad.float() * normalised).sum(1))
+
+        else:  # a Linear
+
+            def backward(grad: Tensor) -> None:  # grad [rows, T, out], x [rows, T, in]
+                name, product = own["weight"], (grad.transpose(1, 2), x.to(grad.dtype))
+                if name in sums and sums[name].dtype == grad.dtype:  # accumulated in the product's pass
+                    sums[name].baddbmm_(*product)
+                else:
+                    add(name, torch.bmm(*product))
+
+        output.register_hook(backward)
+        return None
+
+    handles = [module.register_forward_hook(hook) for module in owners]
+    try:
+        held = {name: t.detach() for name, t in diagnostic.theta.items()}
+        with (
+            torch.enable_grad(),
+            forward_precision(diagnostic.device.type, diagnostic.options.precision),
+            module_mode(model, training=True),
+        ):
+            output = torch.func.functional_call(
+                model, diagnostic.module_state(held), (part[:, :-1],), diagnostic.family.gradient_call(depth)
+            )
+            loss = summed_token_loss(diagnostic.family.logits(output), part[:, 1:]) / count
+        loss.backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [
+        sums[n].float() if n in sums else diagnostic.theta[n].new_zeros((rows, *diagnostic.theta[n].shape)).float()
         for n in diagnostic.stepped
     ]
 
