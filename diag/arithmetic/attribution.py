@@ -507,10 +507,10 @@ def _captured_row_gradients(diagnostic: UpdateDiagnostic, part: Tensor, depth: i
         if isinstance(module, torch.nn.Embedding):  # the graph's root: x [rows, T] token ids
             output = output.detach().requires_grad_()
 
-            def backward(grad: Tensor) -> None:  # grad [rows, T, d]
+            def backward(grad: Tensor) -> None:  # grad [rows, T, d] in the weight's dtype (theta's)
                 if own:
-                    weight = grad.new_zeros((rows, *module.weight.shape), dtype=diagnostic.theta[own["weight"]].dtype)
-                    add(own["weight"], weight.scatter_add_(1, x[..., None].expand_as(grad), grad.to(weight.dtype)))
+                    weight = grad.new_zeros((rows, *module.weight.shape))
+                    add(own["weight"], weight.scatter_add_(1, x[..., None].expand_as(grad), grad))
 
             output.register_hook(backward)
             return output
