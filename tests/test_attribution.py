@@ -16,7 +16,9 @@ the reference, the geometric mean, tensor by tensor, or not at all; truncated
 backprop: the same model truncating in its own forward, and a Huginn-convention model called with
 a pair depth, with and without a random initial state; e_s is the derivative of the evaluation
 NLL, so the reference takes it through every iteration even where the forward detaches some),
-that the batch rows sum to linear_benefit with or without a pool, that plausible bugs (no
+that the batch rows sum to linear_benefit with or without a pool, that each way of taking the
+rows' gradients (hooks on a batched backward, vmap, one backward per row) gives the reference's
+attribution and the hooks each row's own gradient, that plausible bugs (no
 clipping, another RMS matching, the sign, the wrong target count) sit far outside the tolerance, that
 linear_benefit is the diagnostic's benefit to first order, and the refusals of bad input.
 """
