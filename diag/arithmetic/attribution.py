@@ -523,9 +523,10 @@ def _captured_row_gradients(diagnostic: UpdateDiagnostic, part: Tensor, depth: i
                 add(own["weight"], (grad.float() * normalised).sum(1))
 
         else:  # a Linear
+            x = x.to(output.dtype)  # under autocast the bf16 copy autograd would have kept, not the fp32 input
 
             def backward(grad: Tensor) -> None:  # grad [rows, T, out], x [rows, T, in]
-                name, product = own["weight"], (grad.transpose(1, 2), x.to(grad.dtype))
+                name, product = own["weight"], (grad.transpose(1, 2), x)
                 if name in sums and sums[name].dtype == grad.dtype:  # accumulated in the product's pass
                     sums[name].baddbmm_(*product)
                 else:
