@@ -203,14 +203,17 @@ attribution: $(VENV)/.installed
 
 # Does the attribution find data that needs depth? The same on configs/tiny-planted.toml's runs,
 # where a known fifth of the bio slots are multi-hop lookups (docs/data.md), and the AUROC of the
-# switch attributions for the rows holding one, per seed. make planted [PLANTED_SEEDS=...]
+# switch attributions for the rows holding one, per seed. The second design tried:
+# PLANTED_CONFIG=configs/tiny-planted-rows.toml. make planted [PLANTED_CONFIG=...] [PLANTED_SEEDS=...]
+PLANTED_CONFIG ?= configs/tiny-planted.toml
+PLANTED_NAME := $(basename $(notdir $(PLANTED_CONFIG)))
 PLANTED_SEEDS ?= 0 1 2
 
 planted: $(VENV)/.installed
-	$(MAKE) --no-print-directory attribution CONFIG=configs/tiny-planted.toml SEEDS="$(PLANTED_SEEDS)"
-	$(MAKE) --no-print-directory results/tiny-planted/figure-planted.png CONFIG=configs/tiny-planted.toml \
+	$(MAKE) --no-print-directory attribution CONFIG=$(PLANTED_CONFIG) SEEDS="$(PLANTED_SEEDS)"
+	$(MAKE) --no-print-directory results/$(PLANTED_NAME)/figure-planted.png CONFIG=$(PLANTED_CONFIG) \
 	  SEEDS="$(PLANTED_SEEDS)"
-	cp results/tiny-planted/figure-planted.png figures/tiny-planted-auroc.png
+	cp results/$(PLANTED_NAME)/figure-planted.png figures/$(PLANTED_NAME)-auroc.png
 
 # Does the conclusion depend on the diagnostic's own choices? Every isolate x rms_match
 # pair on the switch and 16-update snapshots of every seed (after `make figure4`).

@@ -332,12 +332,14 @@ def test_nll_of_a_model_without_a_one_pass_readout_is_the_looped_models_own():
 # --- planted hop sequences ----------------------------------------------------------------------
 
 
-def _follow(sequence: list[int], source: BiosSource) -> int:
-    """A planted sequence's answer worked out from its own listed pairs: h lookups from the start."""
-    pairs = sequence[-2 * source.planted_pairs - 3 : -3]
+def _follow(sequence: list[int], source: BiosSource, query: int = 0) -> int:
+    """A planted sequence's answer to one of its queries worked out from its own listed pairs: h
+    lookups from the start."""
+    asked = 3 * source.planted_queries
+    pairs = sequence[-2 * source.planted_pairs - asked : -asked]
     successor = dict(zip(pairs[0::2], pairs[1::2]))
-    at = sequence[-2]
-    for _ in range(sequence[-3] - source.chain_token):
+    hops_token, at = sequence[len(sequence) - asked + 3 * query : len(sequence) - asked + 3 * query + 2]
+    for _ in range(hops_token - source.chain_token):
         at = successor[at]
     return at
 
@@ -364,6 +366,40 @@ def test_planted_sequences_are_hop_lookups_at_the_configured_share():
     assert answers.sum() == is_planted.sum() and (batch.numpy()[answers] >= planted.spec.first_value_token).all()
 
 
+def test_planted_rows_ask_several_queries_of_every_slot_of_a_planted_row():
+    planted = BiosSource.generate(
+        500, 0, planted_fraction=0.5, planted_unit="row", planted_queries=3, planted_max_hops=8
+    )
+    plain = BiosSource.generate(500, 0)
+    length = planted.spec.bio_length
+    assert planted.planted_pairs == (length - 11) // 2 and planted.vocab_size == plain.vocab_size + 9
+    batch = planted.batch(0, 3, 256, 4 * length - 1).numpy()
+    slots = batch.reshape(256, 4, length)
+    is_planted = slots[:, :, 1] == planted.chain_token
+    assert (is_planted == is_planted[:, :1]).all() and abs(is_planted[:, 0].mean() - 0.5) < 0.08
+    hops = set()
+    for sequence in slots[is_planted].tolist():
+        assert sequence[0] == SEP and sequence[1] == planted.chain_token
+        listed = sequence[2 : 2 + 2 * planted.planted_pairs]
+        assert sorted(listed[0::2]) == sorted(listed[1::2]) and len(set(listed[0::2])) == planted.planted_pairs
+        for query in range(3):
+            assert sequence[length - 9 + 3 * query + 2] == _follow(sequence, planted, query)
+            hops.add(sequence[length - 9 + 3 * query] - planted.chain_token)
+    assert hops == set(range(1, 9))
+    np.testing.assert_array_equal(
+        slots[~is_planted], plain.batch(0, 3, 256, 4 * length - 1).numpy().reshape(256, 4, length)[~is_planted]
+    )
+    answers = planted.planted_answers(batch)
+    assert answers.sum() == 3 * is_planted.sum()
+    tokens, owners = planted.attribute_owners(64, 64)
+    assert torch.equal(owners == len(ATTRIBUTES), torch.from_numpy(planted.planted_answers(tokens.numpy())))
+    with pytest.raises(InputError, match="need a bio of 27"):
+        BiosSource.generate(500, 0, planted_fraction=0.5, planted_queries=7)
+    for key, value in (("planted_unit", "'person'"), ("planted_queries", "0"), ("planted_max_hops", "0")):
+        with pytest.raises(InputError, match=key):
+            load_config("configs/tiny.toml").with_overrides([f"data.{key}={value}"])
+
+
 def test_planted_answers_are_the_planted_group_of_the_evaluation_set():
     source = BiosSource.generate(500, 0, planted_fraction=0.2)
     tokens, owners = source.attribute_owners(64, 64)
@@ -373,4 +409,5 @@ def test_planted_answers_are_the_planted_group_of_the_evaluation_set():
     assert source.describe([source.chain_token, source.chain_token + 3]) == "[chain] [hops 3]"
     with pytest.raises(InputError, match="planted_fraction"):
         load_config("configs/tiny.toml").with_overrides(["data.planted_fraction=1.0"])
-    assert "planted_fraction" not in load_config("configs/tiny.toml").to_dict()["data"]
+    assert not {key for key in load_config("configs/tiny.toml").to_dict()["data"] if key.startswith("planted")}
+    assert load_config("configs/tiny-planted-rows.toml").to_dict()["data"]["planted_unit"] == "row"

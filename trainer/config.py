@@ -53,6 +53,14 @@ class DataConfig:
     planted_fraction: float = 0.0
     """bioS: the share of bio slots, in training and evaluation streams alike, that hold a
     planted multi-hop lookup instead (trainer/data/bios.py, docs/data.md); 0: none."""
+    planted_unit: str = "slot"
+    """bioS: what planted_fraction is a share of: 'slot' (bio slots) or 'row' (whole rows, every
+    slot of a planted row planted, so a row is planted or not)."""
+    planted_queries: int = 1
+    """bioS: queries a planted sequence asks about its one listing, each answer a counted
+    evaluation target; the listing shrinks to make room (docs/data.md)."""
+    planted_max_hops: int = 4
+    """bioS: a planted query asks for 1..planted_max_hops hops."""
 
     def __post_init__(self) -> None:
         if self.source not in ("bios", "bin", "text"):
@@ -67,6 +75,13 @@ class DataConfig:
             raise InputError(f"data.seed must be >= 0 (numpy seeds are non-negative), got {self.seed}")
         if not 0 <= self.planted_fraction < 1 or (self.planted_fraction and self.source != "bios"):
             raise InputError(f"data.planted_fraction must be in [0, 1) and is for bioS, got {self.planted_fraction}")
+        if self.planted_unit not in ("slot", "row"):
+            raise InputError(f"data.planted_unit must be 'slot' or 'row', got {self.planted_unit!r}")
+        if self.planted_queries < 1 or self.planted_max_hops < 1:
+            raise InputError(
+                f"data.planted_queries and data.planted_max_hops must be >= 1, got "
+                f"{self.planted_queries} and {self.planted_max_hops}"
+            )
 
 
 @dataclass(frozen=True)
@@ -265,7 +280,10 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 OPTIONAL_SECTIONS = ("monitor", "logging")
 """Sections left out of `RunConfig.to_dict` while they equal their defaults."""
-OPTIONAL_KEYS = {"train": ("eval_every", "eval_depths", "parallel"), "data": ("planted_fraction",)}
+OPTIONAL_KEYS = {
+    "train": ("eval_every", "eval_depths", "parallel"),
+    "data": ("planted_fraction", "planted_unit", "planted_queries", "planted_max_hops"),
+}
 """Keys left out of `RunConfig.to_dict` while they equal their defaults: runs stored before
 they existed must compare equal to runs without them."""
 

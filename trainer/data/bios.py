@@ -29,14 +29,15 @@ every one of its tokens given the right earlier tokens. This module generates th
 data; trainer/scoring.py scores a model on it (`recall_bits`).
 
 Planted sequences (`data.planted_fraction`, docs/data.md): a known share of the bio slots
-holds an in-context multi-hop lookup instead, as long as a bio, that each loop iteration can
-advance by one hop:
+(or of the rows, every slot of a planted row) holds an in-context multi-hop lookup instead, as
+long as a bio, that each loop iteration can advance by one hop:
 
     [SEP] [chain] V7 V30 V30 V2 V2 V51 ... [hops 3] V7 V51     (V7 -> V30 -> V2 -> V51)
 
-P pairs (x, f(x)) of a random permutation f of P distinct value tokens, then the number of
-hops h (1..4), a start x and the answer f^h(x): the only target a planted sequence adds to the
-counted evaluation targets (as the group `planted` of the attribute grouping).
+P pairs (x, f(x)) of a random permutation f of P distinct value tokens, then Q queries (1 by
+default), each the number of hops h (1..max_hops), a start x and the answer f^h(x): the
+answers are the only targets a planted sequence adds to the counted evaluation targets (as the
+group `planted` of the attribute grouping).
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ SEP = 0
 
 PLANTED = "planted"
 """The attribute label of a planted sequence's answer (owner index len(ATTRIBUTES))."""
-MAX_HOPS = 4
-"""Planted sequences ask for 1..MAX_HOPS hops."""
+PLANTED_UNITS = ("slot", "row")
+"""What `planted_fraction` is a share of: bio slots, or whole rows (all their slots planted)."""
 
 _POPULATION_STREAM, _EVAL_STREAM = 0, 1
 """Generator streams of the population and of the evaluation set."""
@@ -200,6 +201,10 @@ class BiosSource:
         value_spellings: tuple[np.ndarray, ...],
         seed: int,
         planted_fraction: float = 0.0,
+        *,
+        planted_unit: str = "slot",
+        planted_queries: int = 1,
+        planted_max_hops: int = 4,
     ):
         self.spec = spec
         self.names = names
@@ -210,14 +215,31 @@ class BiosSource:
         """Per attribute, int64 [cardinality, value_length]: the tokens of each value (distinct rows)."""
         self.seed = seed
         self.planted_fraction = planted_fraction
-        """The share of bio slots that hold a planted hop sequence instead (0: none)."""
-        self.planted_pairs = (spec.bio_length - 5) // 2
-        """Pairs (x, f(x)) a planted sequence lists: as many as a bio's length holds."""
+        """The share of bio slots (or rows, see planted_unit) that hold planted hop sequences
+        instead (0: none)."""
+        self.planted_unit = planted_unit
+        """'slot': each bio slot is planted with probability planted_fraction; 'row': each row,
+        and then every slot of it."""
+        self.planted_queries = planted_queries
+        """Queries (hops, start, answer) a planted sequence asks about its one listing."""
+        self.planted_max_hops = planted_max_hops
+        """A query asks for 1..planted_max_hops hops."""
+        self.planted_pairs = (spec.bio_length - 2 - 3 * planted_queries) // 2
+        """Pairs (x, f(x)) a planted sequence lists: as many as a bio's length holds beside
+        [SEP], one [chain] and the queries."""
+        if planted_unit not in PLANTED_UNITS or planted_queries < 1 or planted_max_hops < 1:
+            raise InputError(
+                f"bioS planted sequences: unit must be one of {PLANTED_UNITS}, queries and max hops >= 1; "
+                f"got {planted_unit!r}, {planted_queries}, {planted_max_hops}"
+            )
         if planted_fraction and not 2 <= self.planted_pairs <= spec.value_vocab:
-            raise InputError(f"bioS planted sequences need a bio of 9 to {2 * spec.value_vocab + 6} tokens")
+            raise InputError(
+                f"bioS planted sequences of {planted_queries} queries need a bio of {3 * planted_queries + 6} "
+                f"to {2 * spec.value_vocab + 3 * planted_queries + 3} tokens, got {spec.bio_length}"
+            )
         self.chain_token = spec.vocab_size
         """[chain]: starts a planted sequence; [hops h] is chain_token + h."""
-        self.vocab_size = spec.vocab_size + (1 + MAX_HOPS if planted_fraction else 0)
+        self.vocab_size = spec.vocab_size + (1 + planted_max_hops if planted_fraction else 0)
         self.facts = np.concatenate(
             [names] + [value_spellings[a][values[:, a]] for a in range(len(ATTRIBUTES))], axis=1
         )  # [people, name_length + sum(value_lengths)]
@@ -226,10 +248,11 @@ class BiosSource:
 
     @classmethod
     def generate(
-        cls, people: int, seed: int, spec: BiosSpec | None = None, planted_fraction: float = 0.0
+        cls, people: int, seed: int, spec: BiosSpec | None = None, planted_fraction: float = 0.0, **planted
     ) -> BiosSource:
         """`people` fictional people, a pure function of (people, seed, spec); with
-        `planted_fraction`, that share of the streams' bio slots planted hop sequences."""
+        `planted_fraction`, that share of the streams' bio slots planted hop sequences, as
+        `planted` (planted_unit, planted_queries, planted_max_hops) describes them."""
         spec = spec or BiosSpec()
         if people < 1 or people > spec.name_vocab**spec.name_length:
             raise InputError(
@@ -244,7 +267,7 @@ class BiosSource:
         name_codes = rng.choice(spec.name_vocab**spec.name_length, people, replace=False)
         names = spec.first_name_token + _digits(name_codes, spec.name_vocab, spec.name_length)
         values = np.stack([rng.integers(0, c, size=people) for c in spec.cardinalities], axis=1)
-        return cls(spec, names, values, spellings, seed, planted_fraction)
+        return cls(spec, names, values, spellings, seed, planted_fraction, **planted)
 
     @property
     def people(self) -> int:
@@ -293,22 +316,22 @@ class BiosSource:
 
     def _planted(self, rng: np.random.Generator, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
         """Planted hop sequences for every slot of `shape`: tokens int64 [*shape, bio_length]
-        and owners (len(ATTRIBUTES) at the answer, -1 elsewhere)."""
-        pairs, spec = self.planted_pairs, self.spec
+        and owners (len(ATTRIBUTES) at the answers, -1 elsewhere)."""
+        pairs, queries, spec = self.planted_pairs, self.planted_queries, self.spec
         values = spec.first_value_token + rng.random((*shape, spec.value_vocab)).argsort(-1)[..., :pairs]
         successor = rng.random((*shape, pairs)).argsort(-1)  # f(x_i) = x_successor[i]
-        hops = rng.integers(1, MAX_HOPS + 1, size=shape)
-        start = rng.integers(0, pairs, size=shape)
+        hops = rng.integers(1, self.planted_max_hops + 1, size=(*shape, queries))
+        start = rng.integers(0, pairs, size=(*shape, queries))
         at = start
-        for hop in range(MAX_HOPS):
-            at = np.where(hop < hops, np.take_along_axis(successor, at[..., None], -1)[..., 0], at)
+        for hop in range(self.planted_max_hops):
+            at = np.where(hop < hops, np.take_along_axis(successor, at, -1), at)
         listed = np.stack([values, np.take_along_axis(values, successor, -1)], axis=-1).reshape(*shape, 2 * pairs)
-        chain = np.full((*shape, spec.bio_length - 2 * pairs - 4), self.chain_token)  # [SEP] is the 1 more
-        query = np.stack([self.chain_token + hops, np.take_along_axis(values, start[..., None], -1)[..., 0]], axis=-1)
-        answer = np.take_along_axis(values, at[..., None], -1)
-        tokens = np.concatenate([np.full((*shape, 1), SEP), chain, listed, query, answer], axis=-1)
+        asked = [self.chain_token + hops, np.take_along_axis(values, start, -1), np.take_along_axis(values, at, -1)]
+        asked = np.stack(asked, axis=-1).reshape(*shape, 3 * queries)  # ([hops h] x f^h(x)) per query
+        chain = np.full((*shape, spec.bio_length - 1 - 2 * pairs - 3 * queries), self.chain_token)
+        tokens = np.concatenate([np.full((*shape, 1), SEP), chain, listed, asked], axis=-1)
         owners = np.full(tokens.shape, -1)
-        owners[..., -1] = len(ATTRIBUTES)
+        owners[..., spec.bio_length - 3 * queries + 2 :: 3] = len(ATTRIBUTES)
         return tokens, owners
 
     def planted_answers(self, tokens: np.ndarray) -> np.ndarray:
@@ -344,7 +367,8 @@ class BiosSource:
         bios = self._render(persons.ravel(), templates.ravel(), layouts)  # [kept * per_row, bio_length]
         owners = np.stack([layout[1] for layout in layouts])[templates.ravel()]  # [kept * per_row, bio_length]
         if self.planted_fraction:  # drawn after the bios, so that the bios stay those of an unplanted stream
-            planted = (rng.random((rows, per_row)) < self.planted_fraction)[keep].ravel()
+            drawn = rng.random((rows, per_row) if self.planted_unit == "slot" else (rows, 1)) < self.planted_fraction
+            planted = np.broadcast_to(drawn, (rows, per_row))[keep].ravel()
             hop_tokens, hop_owners = (part[keep].reshape(bios.shape) for part in self._planted(rng, (rows, per_row)))
             bios = np.where(planted[:, None], hop_tokens, bios)
             owners = np.where(planted[:, None], hop_owners, owners)

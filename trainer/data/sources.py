@@ -249,4 +249,11 @@ def build_source(data: DataConfig) -> TokenSource:
         return open_bin_source(data.path, data.bin_dtype)
     if data.source == "text":
         return open_text_source(data.path)
-    return BiosSource.generate(people=data.bios_people, seed=data.seed, planted_fraction=data.planted_fraction)
+    return BiosSource.generate(
+        people=data.bios_people,
+        seed=data.seed,
+        planted_fraction=data.planted_fraction,
+        planted_unit=data.planted_unit,
+        planted_queries=data.planted_queries,
+        planted_max_hops=data.planted_max_hops,
+    )
