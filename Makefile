@@ -203,8 +203,9 @@ attribution: $(VENV)/.installed
 
 # Does the attribution find data that needs depth? The same on configs/tiny-planted.toml's runs,
 # where a known fifth of the bio slots are multi-hop lookups (docs/data.md), and the AUROC of the
-# switch attributions for the rows holding one, per seed. The second design tried:
-# PLANTED_CONFIG=configs/tiny-planted-rows.toml. make planted [PLANTED_CONFIG=...] [PLANTED_SEEDS=...]
+# switch attributions for the rows holding one, per seed. The second design tried and its control:
+# PLANTED_CONFIG=configs/tiny-planted-rows.toml, configs/tiny-planted-rows-4hops.toml.
+# make planted [PLANTED_CONFIG=...] [PLANTED_SEEDS=...]
 PLANTED_CONFIG ?= configs/tiny-planted.toml
 PLANTED_NAME := $(basename $(notdir $(PLANTED_CONFIG)))
 PLANTED_SEEDS ?= 0 1 2
