@@ -477,6 +477,24 @@ def test_saved_activation_bytes_count_what_the_backward_keeps_once_and_no_parame
     assert saved_activation_bytes(lambda: F.linear(x, weight)) == x.nbytes + weight.nbytes
 
 
+def test_a_rows_activation_bytes_are_what_its_own_training_forward_saves():
+    """The bytes one sequence's forward at a depth saves, against the model called on that
+    sequence's inputs directly: the whole row less its last token, at that depth, parameters
+    not counted."""
+    from diag.arithmetic.attribution import row_activation_bytes
+    from diag.arithmetic.engine import DiagnosticOptions, UpdateDiagnostic
+
+    model = looped_model()
+    options = DiagnosticOptions(update_depths=(1, 3), serving_depths=SERVING, precision="fp32")
+    diagnostic = UpdateDiagnostic(model, sgd(model), tokens(4, 2), options)
+    row = tokens(1, 5)[0]
+    for depth in (1, 3):
+        call = diagnostic.family.gradient_call(depth)
+        direct = saved_activation_bytes(lambda: model(row[None, :-1], **call), exclude=list(model.parameters()))
+        assert row_activation_bytes(diagnostic, row, depth) == direct > 0
+    assert row_activation_bytes(diagnostic, row, 3) > row_activation_bytes(diagnostic, row, 1)
+
+
 def test_groups_fit_in_what_the_batchs_own_backward_holds():
     P, B, MB = 951_552, 32, 10**6  # configs/tiny-fp32.toml's model and batch, its rows' activations at depths 16 and 4
     deep, shallow = 23_580_416, 7_028_480
