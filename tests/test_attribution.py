@@ -489,8 +489,8 @@ def test_a_rows_activation_bytes_are_what_its_own_training_forward_saves():
     diagnostic = UpdateDiagnostic(model, sgd(model), tokens(4, 2), options)
     row = tokens(1, 5)[0]
     for depth in (1, 3):
-        call = diagnostic.family.gradient_call(depth)
-        direct = saved_activation_bytes(lambda: model(row[None, :-1], **call), exclude=list(model.parameters()))
+        forward = functools.partial(model, row[None, :-1], **diagnostic.family.gradient_call(depth))
+        direct = saved_activation_bytes(forward, exclude=list(model.parameters()))
         assert row_activation_bytes(diagnostic, row, depth) == direct > 0
     assert row_activation_bytes(diagnostic, row, 3) > row_activation_bytes(diagnostic, row, 1)
 
