@@ -486,6 +486,63 @@ def test_the_pilots_config_is_read_and_refused_by_file(tmp_path):
         recommend(RecommendConfig(monitor=path, updates=1024))
 
 
+def depth_monitor_pilot(tmp_path, **settings):
+    """The hand pilot as diag.DepthMonitor writes it in a loop of another codebase: its config
+    attribute is the monitor's settings, with no depthdiag run config."""
+    path = tmp_path / "monitor.h5"
+    ds = pilot_monitor()
+    ds.attrs["config"] = json.dumps({"depth_monitor": settings, "model": "elsewhere"})
+    write_dataset(ds, path)
+    return path
+
+
+def test_a_pilot_monitored_in_another_loop_is_costed_in_core_iterations(tmp_path):
+    path = depth_monitor_pilot(tmp_path, schedule="fixed-first:k0=4,switch=0.75,finish=uniform:1-16", updates=1024)
+    rec = recommend(RecommendConfig(monitor=path, updates=1024))
+    # By hand: the switch at step 928 (as with the depthdiag pilot), then 96 updates of mean depth 8.5;
+    # the paper's switch at round(0.8 x 1024) = 819; uniform:1-16 costs 8.5 an update throughout.
+    recommended, paper, uniform = 928 * 4 + 96 * 8.5, 819 * 4 + 205 * 8.5, 1024 * 8.5
+    assert rec.cost_model == "core iterations" and (rec.batch_size, rec.seq_len) == (None, None)
+    assert rec.spec == "fixed-first:k0=4,switch=0.90625,finish=uniform:1-16" and rec.pilot_updates == 1024
+    assert rec.recommended.modeled_flops == pytest.approx(recommended)
+    assert rec.recommended.relative_to_uniform == pytest.approx(recommended / uniform)
+    assert rec.paper.spec == "fixed-first:k0=4,switch=0.8,finish=uniform:1-16"
+    assert rec.paper.modeled_flops == pytest.approx(paper)
+    assert rec.paper.relative_to_uniform == pytest.approx(paper / uniform)
+    assert rec.uniform_flops == pytest.approx(uniform)
+    assert rec.saving_vs_paper == pytest.approx(1 - recommended / paper)
+    assert "training compute as core iterations" in format_recommendation(rec)
+    # The pilot's own length and seed are read (a pilot of 2,048 updates switches at step 1,536).
+    path = depth_monitor_pilot(
+        tmp_path, schedule="fixed-first:k0=2,switch=0.75,finish=uniform:1-8", updates=2048, seed=3
+    )
+    rec = recommend(RecommendConfig(monitor=path, updates=1024))
+    assert rec.pilot_updates == 2048 and rec.pilot_schedule == "fixed-first:k0=2,switch=0.75,finish=uniform:1-8"
+    assert rec.recommended.modeled_flops == pytest.approx(928 * 2 + 96 * 4.5)
+    assert rec.uniform_flops == pytest.approx(uniform)  # always against uniform:1-16
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"updates": 1024}, "no depth schedule"),
+        ({"schedule": "", "updates": 1024}, "no depth schedule"),
+        ({"schedule": "fixed-first:k0=4,switch=0.75,finish=uniform:1-16"}, "no depth schedule"),
+        ({"schedule": "fixed-first:k0=4,switch=0.75,finish=uniform:1-16", "updates": 1024.0}, "no depth schedule"),
+        ({"schedule": "uniform:1-16", "updates": 1024}, "is not fixed-first"),
+    ],
+)
+def test_a_pilot_monitored_in_another_loop_is_refused_by_file(tmp_path, settings, message):
+    path = depth_monitor_pilot(tmp_path, **settings)
+    with pytest.raises(InputError, match=rf"^{path}: .*{message}"):
+        recommend(RecommendConfig(monitor=path, updates=1024))
+    ds = pilot_monitor()
+    del ds.attrs["config"]
+    write_dataset(ds, path)
+    with pytest.raises(InputError, match=rf"^{path}: no run config"):
+        recommend(RecommendConfig(monitor=path, updates=1024))
+
+
 def test_the_comparison_grid_written_out_in_full_reads_back(tmp_path):
     (tmp_path / "configs").mkdir()
     (tmp_path / "grids").mkdir()
