@@ -304,3 +304,139 @@ def test_a_one_sided_bound_below_the_median_and_bcas_refusal():
     assert float(low["margin_upper"][2]) == pytest.approx(expected, rel=1e-9) and expected < margins.mean()
     with pytest.raises(Exception, match="a one-sided BCa bound needs a level above 0.5"):
         equivalence_bounds(ds, options=IntervalOptions(level=0.4, method="bca"))
+
+
+# --- every setting reaches the arithmetic, and the edges of the resampled spread ----------------
+
+
+def decaying_seeds(rng, seeds=5, counts=(0, 4, 8, 16, 24, 32, 48, 64, 96, 128)) -> np.ndarray:
+    """Seed curves [seeds, counts] that decay geometrically at rates of their own, so that their
+    crossings of 5% of the switch value, and those of resampled means, spread over the grid."""
+    switch = rng.uniform(0.8, 1.2, seeds)
+    rates = rng.uniform(0.02, 0.3, seeds)
+    return switch[:, None] * np.exp(-rates[:, None] * np.asarray(counts, dtype=float)[None, :])
+
+
+@pytest.mark.parametrize(
+    ("level", "resamples", "seed"),
+    [
+        (0.5, 101, 1),
+        (0.6, 127, 5),
+        (0.8, 103, 2),
+        (0.9, 150, 3),
+        (0.95, 100, 4),
+        # where the ends' positions fall between two different crossings (found by a search)
+        (0.5, 103, 1),
+        (0.5, 100, 11),
+        (0.5, 101, 11),
+    ],
+)
+def test_the_spread_is_the_lower_and_higher_quantile_of_the_resampled_crossings(level, resamples, seed):
+    counts = [0, 4, 8, 16, 24, 32, 48, 64, 96, 128]
+    curves = decaying_seeds(np.random.default_rng(seed), counts=counts)
+    # By the definition: resample seeds with replacement (the options' seed), take each mean curve's
+    # decay point (None past the grid), and read the range's ends off the sorted points.
+    draws = np.random.default_rng(seed).integers(0, len(curves), size=(resamples, len(curves)))
+    grid = [*counts, None]
+    crossings = [grid.index(decay_point(counts, curves[draw].mean(axis=0))) for draw in draws]
+    tail = (1 - level) / 2
+    expected = (
+        grid[int(np.quantile(crossings, tail, method="lower"))],
+        grid[int(np.quantile(crossings, 1 - tail, method="higher"))],
+    )
+    assert len(set(crossings)) >= 3  # the draws disagree, so the range's ends are read, not given
+    options = IntervalOptions(level=level, n_resamples=resamples, seed=seed)
+    assert decay_spread(counts, curves, fraction=0.05, options=options) == expected
+
+
+@pytest.mark.parametrize(
+    ("curve", "expected"),
+    [
+        ([1.0, 0.05, 0.05], None),  # exactly 5% of the switch value is not below it
+        ([2.0, 0.05, 0.05], 4),  # 5% of the switch value, not 5% divided by it
+        ([0.0, -1.0, -1.0], None),  # no positive switch benefit to decay from
+        ([1.0, 0.5, 0.01], 8),
+    ],
+)
+def test_one_seeds_spread_is_its_own_decay_point(curve, expected):
+    assert decay_point([0, 4, 8], curve) == expected
+    options = IntervalOptions(n_resamples=100)
+    assert decay_spread([0, 4, 8], np.array([curve]), fraction=0.05, options=options) == (expected, expected)
+
+
+def test_decay_indices_keep_each_row_its_own():
+    counts = [0, 4, 8, 16, 24, 32, 48, 64, 96, 128]
+    curves = decaying_seeds(np.random.default_rng(9), seeds=6, counts=counts)
+    points = [decay_point(counts, row) for row in curves]
+    assert len(set(points)) >= 3
+    # One seed at a time, and the seeds in one call: the rows are not mixed.
+    for row, point in zip(curves, points):
+        assert decay_spread(counts, row[None, :], fraction=0.05, options=IntervalOptions(n_resamples=100)) == (
+            point,
+            point,
+        )
+    from analysis.finishing import _decay_indices
+
+    grid = [*counts, None]
+    assert [grid[i] for i in _decay_indices(curves, 0.05)] == points
+
+
+def test_the_phase_and_the_summary_rows_take_their_fraction_level_and_seed_dimension():
+    # Every seed below 20% of its switch value from 4 on, but not below 5% until 16; after 4 the
+    # margins spread so that the one-sided bound is below 0 at level 0.8, not at 0.95.
+    curves = [[1.0, 0.1, 0.12, 0.01], [1.0, 0.19, 0.1, 0.0], [1.2, 0.12, 0.1, 0.01]]
+    ds = seed_curves(curves).rename({"seed": "run"})
+    options = IntervalOptions(level=0.8, n_resamples=199, seed=1)
+    bounds = equivalence_bounds(ds, fraction=0.2, options=options, seed_dim="run")
+    margins = np.array(curves)[:, 1] - 0.2 * np.array(curves)[:, 0]
+    upper = margins.mean() + scipy.stats.t.ppf(0.8, 2) * scipy.stats.sem(margins)
+    assert float(bounds["margin_upper"][1]) == pytest.approx(upper, rel=1e-9)
+    phase = finishing_phase(ds, fraction=0.2, options=options, seed_dim="run")
+    assert phase.bound_updates == 4 and phase.decay_spread == (4, 4) and phase.level == 0.8
+    assert finishing_phase(ds, fraction=0.2, seed_dim="run").bound_updates == 8
+    assert finishing_phase(ds, seed_dim="run").bound_updates == 16
+    rows = with_equivalence(summary_table(ds, seed_dim="run"), ds, fraction=0.2, options=options, seed_dim="run")
+    assert [row["margin_upper"] for row in rows[1:]] == pytest.approx(
+        [float(bounds["margin_upper"][i]) for i in (1, 2, 3)], rel=1e-12
+    )
+
+
+def test_two_seeds_form_a_bound_and_a_spread_and_one_seed_neither():
+    curves = [[1.0, 0.5, 0.01, 0.01], [1.0, 0.01, 0.02, 0.01]]
+    phase = finishing_phase(seed_curves(curves))
+    margins = np.array(curves)[:, 3] - 0.05
+    upper = margins.mean() + scipy.stats.t.ppf(0.95, 1) * scipy.stats.sem(margins)
+    bounds = equivalence_bounds(seed_curves(curves))
+    assert int(bounds["n"][3]) == 2 and float(bounds["margin_upper"][3]) == pytest.approx(upper, rel=1e-9)
+    assert phase.decay_spread is not None
+    one = finishing_phase(seed_curves(curves[:1]))
+    assert one.decay_spread is None and one.bound_updates is None
+    with pytest.raises(Exception, match="a one-sided BCa bound needs a level above 0.5"):
+        equivalence_bounds(seed_curves(curves), options=IntervalOptions(level=0.5, method="bca"))
+
+
+def test_a_bound_above_zero_is_not_shown_below_the_fraction():
+    curves, ds = random_seed_curves(np.random.default_rng(3))
+    rows = with_equivalence(summary_table(ds), ds, fraction=0.0)
+    # After the switch the seeds sit near +0.03: the bound is above zero and below one.
+    assert all(0 < row["margin_upper"] < 1 and row["shown_below_fraction"] is False for row in rows[1:])
+
+
+def test_the_bounds_are_a_dataset_by_snapshot_with_whole_seed_counts():
+    _, ds = random_seed_curves(np.random.default_rng(3))
+    bounds = equivalence_bounds(ds)
+    assert all(bounds[name].dims == ("snapshot",) for name in ("margin", "margin_upper", "n", "below"))
+    assert (bounds["margin"].dtype, bounds["n"].dtype, bounds["below"].dtype) == (np.float64, np.int64, bool)
+    assert list(bounds["uniform_updates"].values) == [0, 4, 8, 16] and np.isnan(bounds["margin"].values[0])
+    assert bounds.attrs == {"fraction": 0.05, "level": 0.95, "method": "t"}
+    options = IntervalOptions(level=0.9, method="bca", n_resamples=100)
+    assert equivalence_bounds(ds, fraction=0.2, options=options).attrs == {
+        "fraction": 0.2,
+        "level": 0.9,
+        "method": "bca",
+    }
+
+
+def test_the_switch_is_never_its_own_decay_point_whatever_the_fraction():
+    # Everything is below 150% of the switch value, the switch included: the decay point is the next count.
+    assert decay_point([0, 4, 8], [1.0, 0.5, 0.2], fraction=1.5) == 4
