@@ -11,6 +11,8 @@ EVAL_SET_CHOICES = ("auto", "snapshot", "attributes")
 """The evaluation set `depthdiag diagnose` scores (see diag/driver/run.py)."""
 PARALLEL_CHOICES = ("ddp", "fsdp")
 """How torchrun's processes share a training run: replicated weights (DDP) or sharded ones (FSDP2)."""
+PLANTED_UNIT_CHOICES = ("slot", "row")
+"""What bioS's data.planted_fraction is a share of: bio slots, or whole rows (all their slots planted)."""
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 """Where a command runs: 'auto' (cuda when available, else cpu), 'cpu' or 'cuda'."""
 INTERVAL_METHOD_CHOICES = ("t", "bca")

@@ -25,7 +25,13 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from common.choices import DEVICE_CHOICES, EVAL_SET_CHOICES, PARALLEL_CHOICES, PRECISION_CHOICES
+from common.choices import (
+    DEVICE_CHOICES,
+    EVAL_SET_CHOICES,
+    PARALLEL_CHOICES,
+    PLANTED_UNIT_CHOICES,
+    PRECISION_CHOICES,
+)
 from common.depths import MAX_SERVING_DEPTH, SERVING_DEPTHS, UPDATE_DEPTHS, checked_depths, parse_serving_depths
 from common.errors import InputError
 from common.observers import without_observer_keys
@@ -75,8 +81,8 @@ class DataConfig:
             raise InputError(f"data.seed must be >= 0 (numpy seeds are non-negative), got {self.seed}")
         if not 0 <= self.planted_fraction < 1 or (self.planted_fraction and self.source != "bios"):
             raise InputError(f"data.planted_fraction must be in [0, 1) and is for bioS, got {self.planted_fraction}")
-        if self.planted_unit not in ("slot", "row"):
-            raise InputError(f"data.planted_unit must be 'slot' or 'row', got {self.planted_unit!r}")
+        if self.planted_unit not in PLANTED_UNIT_CHOICES:
+            raise InputError(f"data.planted_unit must be one of {PLANTED_UNIT_CHOICES}, got {self.planted_unit!r}")
         if self.planted_queries < 1 or self.planted_max_hops < 1:
             raise InputError(
                 f"data.planted_queries and data.planted_max_hops must be >= 1, got "

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from common.choices import PLANTED_UNIT_CHOICES
 from common.errors import InputError
 from trainer.rng import batch_rng, rank_rows, seeded_generator
 
@@ -59,8 +60,6 @@ SEP = 0
 
 PLANTED = "planted"
 """The attribute label of a planted sequence's answer (owner index len(ATTRIBUTES))."""
-PLANTED_UNITS = ("slot", "row")
-"""What `planted_fraction` is a share of: bio slots, or whole rows (all their slots planted)."""
 
 _POPULATION_STREAM, _EVAL_STREAM = 0, 1
 """Generator streams of the population and of the evaluation set."""
@@ -227,9 +226,9 @@ class BiosSource:
         self.planted_pairs = (spec.bio_length - 2 - 3 * planted_queries) // 2
         """Pairs (x, f(x)) a planted sequence lists: as many as a bio's length holds beside
         [SEP], one [chain] and the queries."""
-        if planted_unit not in PLANTED_UNITS or planted_queries < 1 or planted_max_hops < 1:
+        if planted_unit not in PLANTED_UNIT_CHOICES or planted_queries < 1 or planted_max_hops < 1:
             raise InputError(
-                f"bioS planted sequences: unit must be one of {PLANTED_UNITS}, queries and max hops >= 1; "
+                f"bioS planted sequences: unit must be one of {PLANTED_UNIT_CHOICES}, queries and max hops >= 1; "
                 f"got {planted_unit!r}, {planted_queries}, {planted_max_hops}"
             )
         if planted_fraction and not 2 <= self.planted_pairs <= spec.value_vocab:
