@@ -20,18 +20,23 @@ that the batch rows sum to linear_benefit with or without a pool, that each way 
 rows' gradients (hooks on a batched backward, vmap, one backward per row) gives the reference's
 attribution and the hooks each row's own gradient, that plausible bugs (no
 clipping, another RMS matching, the sign, the wrong target count) sit far outside the tolerance, that
-linear_benefit is the diagnostic's benefit to first order, and the refusals of bad input.
+linear_benefit is the diagnostic's benefit to first order, and the refusals of bad input. Then
+what reaches each route: the rows taken as the batch gradient is (train mode, the run's
+precision, a parameter the optimizer holds and nothing trains, one truncated backprop leaves
+out), a batch of one row, a pool row refused where Adam's step is not linear, and the settings
+`attribute_benefit` hands on.
 """
 
 import copy
 import dataclasses
 import functools
+import warnings
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from huginn_convention import HuginnConvention
+from huginn_convention import HuginnConvention, Output
 
 from common.errors import InputError
 from diag.arithmetic.attribution import (
@@ -623,3 +628,169 @@ def test_sequence_attribution_refuses_a_diagnostic_it_cannot_split():
         )
         with pytest.raises(InputError, match="isolate='linear' and two update depths"):
             SequenceAttribution(diagnostic)
+
+
+# --- what reaches each route ---------------------------------------------------------------------
+
+
+class TrainScaled(Wrapped):
+    """A model from elsewhere whose training forward differs from its evaluation (as dropout would,
+    without drawing): its logits are scaled by 1.5 in train mode."""
+
+    def forward(self, input_ids, depth):
+        logits = self.inner(input_ids, depth=depth)
+        return logits * 1.5 if self.training else logits
+
+
+class Noisy(Wrapped):
+    """A model from elsewhere that warns on every forward, saying how many rows it was given."""
+
+    def forward(self, input_ids, depth):
+        warnings.warn(f"forward of {input_ids.shape[0]} row(s)", UserWarning, stacklevel=2)
+        return self.inner(input_ids, depth=depth)
+
+
+@pytest.mark.filterwarnings("ignore:forward of")
+@pytest.mark.parametrize("variant", ["train mode", "frozen in the optimizer", "bf16"])
+def test_vectorised_rows_are_taken_as_the_batch_gradient_is(variant, monkeypatch):
+    """A model from elsewhere goes through vmap; its rows sum to linear_benefit (from the batch
+    gradient) only where the rows are taken as that gradient is: in train mode, at the run's
+    precision, with a zero row gradient for a parameter the optimizer holds and no forward
+    trains. The forward's own warnings reach the caller; vmap's note that it loops over an
+    operation (an fp32 model's attention backward) does not."""
+    from diag.arithmetic import attribution
+
+    taken = []
+    kept = attribution._vmapped_row_gradients
+    monkeypatch.setattr(attribution, "_vmapped_row_gradients", lambda *a: taken.append(len(a[1])) or kept(*a))
+    monkeypatch.setattr(attribution, "row_activation_bytes", lambda *a: 10**6)  # no probe forward of one row
+    inner = looped_model()
+    model = TrainScaled(inner) if variant == "train mode" else Noisy(inner).float()
+    batch, eval_tokens = tokens(3, 1), tokens(4, 2)
+    optimizer = sgd(model)
+    warmed(model, optimizer, {"train": lambda m, x, k: m(x, depth=k)}, batch, 2)
+    if variant == "frozen in the optimizer":
+        inner.embed.weight.requires_grad_(False)  # still one of the optimizer's parameters
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = attribute_benefit(
+            model, optimizer, batch, eval_tokens, update_depths=(1, 3), serving_depths=SERVING, grad_clip=CLIP,
+            precision="bf16" if variant == "bf16" else "fp32",
+        )  # fmt: skip
+    assert sum(taken) == 2 * len(batch)  # every row through vmap, at both update depths
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "performance drop" in m]
+    if variant != "train mode":  # the vmapped row forwards' own warnings (one row each)
+        assert "forward of 1 row(s)" in messages
+    rows, linear = got["attribution"].values.sum(0), got["linear_benefit"].values
+    assert got.attrs["precision"] == ("bf16" if variant == "bf16" else "fp32")
+    if variant == "train mode":
+        assert_close(rows, linear)
+    elif variant == "frozen in the optimizer":
+        assert_close(rows, linear, rtol=1e-4)  # fp32
+    else:
+        # bf16: the rows' forwards under the run's autocast, as the batch's (bf16 rounding of
+        # rows and of the batch apart: measured here 2.0e-3 of the scale, 1.1e-2 with fp32 rows).
+        np.testing.assert_allclose(rows, linear, atol=5e-3 * np.abs(linear).max())
+
+
+def test_a_batch_of_one_sequence_is_attributed():
+    model, optimizer, *_ = setup("looped-sgd")
+    batch, eval_tokens = tokens(1, 4), tokens(4, 2)
+    got = attribute_benefit(
+        model, optimizer, batch, eval_tokens, update_depths=(1, 3), serving_depths=SERVING, grad_clip=CLIP
+    )
+    assert got["attribution"].shape == (1, len(SERVING))
+    assert_close(got["attribution"].values[0], got["linear_benefit"].values)
+
+
+def test_a_pool_sequence_is_refused_where_adams_step_is_not_linear():
+    """The batch's rows reach only values its gradient reaches; a pool row can reach one that
+    training never updated (an embedding row of a token the batch does not hold), where Adam's
+    step has no first-order term: refused, with the attribution's remedy."""
+    torch.manual_seed(0)
+    model = looped_model()
+    batch, eval_tokens = tokens(3, 1) % 16, tokens(4, 2)  # inputs among the first 16 tokens
+    optimizer = adamw(model)
+    warmed(model, optimizer, LOOPED, batch, 3)
+    pool = batch[[2, 0]].clone()  # what the batch reads, in other rows
+    kwargs = {"update_depths": (1, 3), "serving_depths": SERVING, "grad_clip": CLIP}
+    got = attribute_benefit(model, optimizer, batch, eval_tokens, pool=pool, **kwargs)
+    assert got["attribution"].shape == (5, len(SERVING))
+    pool[0, 0] = VOCAB - 1  # the first pool row reads a token the batch never read
+    with pytest.raises(InputError, match="attribute a later snapshot, where every value the sequences reach"):
+        attribute_benefit(model, optimizer, batch, eval_tokens, pool=pool, **kwargs)
+
+
+class NamedDepth(Wrapped):
+    """A model from elsewhere that takes its depth as `n_loops`."""
+
+    def forward(self, input_ids, n_loops):
+        return self.inner(input_ids, depth=n_loops)
+
+
+def test_attribute_benefit_hands_its_settings_on(capsys):
+    model = NamedDepth(looped_model())
+    batch, eval_tokens = tokens(3, 1), tokens(4, 2)
+    optimizer = sgd(model)
+    warmed(model, optimizer, {"train": lambda m, x, k: m(x, n_loops=k)}, batch, 2)
+    kwargs = {"serving_depths": SERVING, "depth_kwarg": "n_loops", "grad_clip": CLIP}
+    got = attribute_benefit(model, optimizer, batch, eval_tokens, update_depths=(1, 3), **kwargs)
+    assert_close(got["attribution"].values.sum(0), got["linear_benefit"].values)
+    assert capsys.readouterr().err == ""  # no progress bar unless asked
+    attribute_benefit(model, optimizer, batch, eval_tokens, update_depths=(1, 3), progress=True, **kwargs)
+    bar = capsys.readouterr().err
+    # the 4 serving directions, then 3 rows at each of the 2 update depths
+    assert "attribute" in bar and "10/10" in bar
+    with pytest.raises(InputError, match="update_depths must be positive integers"):
+        attribute_benefit(model, optimizer, batch, eval_tokens, update_depths=(0, 3), **kwargs)
+
+
+class Started(HuginnConvention):
+    """A Huginn-convention model whose initial state has a trained offset: it acts before every
+    iteration, so where backprop is truncated below the depth no gradient reaches it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.start = torch.nn.Parameter(0.1 * torch.randn(self.embed.embedding_dim))
+
+    def forward(self, input_ids, num_steps=None, **kwargs):
+        embedded = self.prelude(self.embed(input_ids))
+        without_grad, with_grad = (num_steps, 0) if isinstance(num_steps, int) else num_steps
+        state = torch.randn_like(embedded) * self.init_scale + self.start
+        with torch.no_grad():
+            for _ in range(without_grad):
+                state = self.iterate(state, embedded)
+        for _ in range(with_grad):
+            state = self.iterate(state, embedded)
+        return Output(logits=self.head(self.norm(self.coda(state))))
+
+
+def test_rows_leave_out_what_truncated_backprop_does_not_reach(monkeypatch):
+    """A forward that draws noise, its rows one backward each: at depth 4 (two iterations without
+    gradient, two with) the initial state's offset gets no gradient, as in training, and its rows'
+    gradients are zeros there; they still sum to linear_benefit, also where nothing else trains."""
+    from diag.arithmetic import attribution
+
+    taken = []
+    kept = attribution._batched_row_gradients
+    monkeypatch.setattr(attribution, "_batched_row_gradients", lambda *a: taken.append(len(a[1])) or kept(*a))
+    torch.manual_seed(0)
+    model = Started(vocab=VOCAB, d=16).double()
+    batch, eval_tokens = tokens(3, 1), tokens(4, 2)
+    optimizer = sgd(model)
+    warmed(model, optimizer, HUGINN, batch, 2)
+    got = attribute_benefit(
+        model, optimizer, batch, eval_tokens, update_depths=(2, 4), serving_depths=SERVING, family=TRUNCATED
+    )
+    assert taken == [3, 3]
+    assert_close(got["attribution"].values.sum(0), got["linear_benefit"].values)
+    # Only the offset trains: at depth 4 no loss has a gradient at all (the deep update is 0).
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name == "start")
+    got = attribute_benefit(
+        model, optimizer, batch, eval_tokens, update_depths=(2, 4), serving_depths=SERVING, family=TRUNCATED,
+        rms_match="none",
+    )  # fmt: skip
+    assert got["update_rms"].values[1] == 0 and got["update_rms"].values[0] > 0
+    assert_close(got["attribution"].values.sum(0), got["linear_benefit"].values)
