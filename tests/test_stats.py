@@ -23,6 +23,7 @@ from analysis.stats import (
     monitor_benefit_map,
     monitor_depth_averaged_benefit,
     monitor_summary_table,
+    per_seed_benefits,
     replication_units,
     summary_table,
     t_interval,
@@ -563,3 +564,18 @@ def test_the_monitor_summary_in_full():
         "monitor: depth-averaged benefit per step; 95% Student-t CI over the check's batches of one run "
         "(n = 0): batch noise only, not run-to-run variation"
     )
+
+
+def test_per_seed_benefits_are_each_seeds_batches_at_the_level_asked():
+    """summarize --json's per-seed rows: each seed's batch means (depth-averaged) and their
+    interval at the options' level, by hand on hand_seeds(); None without seeds."""
+    ds = hand_seeds()
+    for level in (0.95, 0.8):
+        rows = per_seed_benefits(ds, options=IntervalOptions(level=level))
+        assert list(rows) == ["s0", "s16"]
+        for seed, batch_means in enumerate([(2.0, 4.0), (1.0, 3.0), (3.0, 5.0)]):
+            row = rows["s0"][seed]
+            assert (row["seed"], row["n"], row["mean"]) == (seed, 2, pytest.approx(np.mean(batch_means)))
+            assert (row["lower"], row["upper"]) == pytest.approx(scipy_t(batch_means, level))
+        assert [row["mean"] for row in rows["s16"]] == pytest.approx([0.0] * 3)
+    assert per_seed_benefits(benefit_results(np.ones((1, 2, 2)))) is None
