@@ -768,8 +768,8 @@ class Started(HuginnConvention):
 
 def test_rows_leave_out_what_truncated_backprop_does_not_reach(monkeypatch):
     """A forward that draws noise, its rows one backward each: at depth 4 (two iterations without
-    gradient, two with) the initial state's offset gets no gradient, as in training, and its rows'
-    gradients are zeros there; they still sum to linear_benefit, also where nothing else trains."""
+    gradient, two with) the initial state's offset gets no gradient, as in training; the rows leave
+    it out as the batch gradient does and still sum to linear_benefit, also where nothing else trains."""
     from diag.arithmetic import attribution
 
     taken = []
