@@ -59,6 +59,9 @@ class HuginnConvention(nn.Module):
     def iterate(self, state: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         return self.core(self.adapter(torch.cat((state, embedded), dim=-1)))
 
+    def initial_state(self, embedded: torch.Tensor) -> torch.Tensor:
+        return torch.randn_like(embedded) * self.init_scale
+
     def forward(self, input_ids: torch.Tensor, num_steps=None, **kwargs) -> Output:
         embedded = self.prelude(self.embed(input_ids))
         if num_steps is None:
@@ -67,7 +70,7 @@ class HuginnConvention(nn.Module):
             without_grad, with_grad = (int(n) for n in num_steps)
         else:
             without_grad, with_grad = int(num_steps), 0
-        state = torch.randn_like(embedded) * self.init_scale
+        state = self.initial_state(embedded)
         with torch.no_grad():
             for _ in range(without_grad):
                 state = self.iterate(state, embedded)

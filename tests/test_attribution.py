@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from huginn_convention import HuginnConvention, Output
+from huginn_convention import HuginnConvention
 
 from common.errors import InputError
 from diag.arithmetic.attribution import (
@@ -708,7 +708,6 @@ def test_a_pool_sequence_is_refused_where_adams_step_is_not_linear():
     """The batch's rows reach only values its gradient reaches; a pool row can reach one that
     training never updated (an embedding row of a token the batch does not hold), where Adam's
     step has no first-order term: refused, with the attribution's remedy."""
-    torch.manual_seed(0)
     model = looped_model()
     batch, eval_tokens = tokens(3, 1) % 16, tokens(4, 2)  # inputs among the first 16 tokens
     optimizer = adamw(model)
@@ -754,16 +753,8 @@ class Started(HuginnConvention):
         super().__init__(**kwargs)
         self.start = torch.nn.Parameter(0.1 * torch.randn(self.embed.embedding_dim))
 
-    def forward(self, input_ids, num_steps=None, **kwargs):
-        embedded = self.prelude(self.embed(input_ids))
-        without_grad, with_grad = (num_steps, 0) if isinstance(num_steps, int) else num_steps
-        state = torch.randn_like(embedded) * self.init_scale + self.start
-        with torch.no_grad():
-            for _ in range(without_grad):
-                state = self.iterate(state, embedded)
-        for _ in range(with_grad):
-            state = self.iterate(state, embedded)
-        return Output(logits=self.head(self.norm(self.coda(state))))
+    def initial_state(self, embedded):
+        return super().initial_state(embedded) + self.start
 
 
 def test_rows_leave_out_what_truncated_backprop_does_not_reach(monkeypatch):
