@@ -30,13 +30,33 @@ def one_thread():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under `make mutants`, a mutant's tests run fastest first, so that a killed mutant
-    (most of them) costs the quickest test that catches it rather than whichever came first.
-    mutmut runs them from mutants/, where its stats file holds each test's duration."""
+    """Under `make mutants`, a mutant's tests run so that a killed mutant (most of them) costs the
+    quickest tests that catch it. mutmut names them in no particular order, and pytest sets a
+    module-scoped fixture (a tiny training run) up again at every return to its file, so each
+    file's tests run together: first the files without such a fixture, then those with one, each
+    group by its tests' summed duration and each file's tests fastest first (mutmut runs them from
+    mutants/, where its stats file holds each test's duration)."""
     if "__mutmut_" not in os.environ.get("MUTANT_UNDER_TEST", ""):
         return
     stats = Path("mutmut-stats.json")
     if not stats.exists():
         return
     durations = json.loads(stats.read_text())["duration_by_test"]
-    items.sort(key=lambda item: durations.get(item.nodeid, math.inf))
+
+    def duration(item):
+        return durations.get(item.nodeid, math.inf)
+
+    def shares_a_fixture(item):
+        definitions = item._fixtureinfo.name2fixturedefs.values()
+        return any(d.scope in ("module", "class", "package") for defs in definitions for d in defs)
+
+    by_file = {}
+    for item in items:
+        by_file.setdefault(item.path, []).append(item)
+
+    def file_order(file_items):
+        return any(map(shares_a_fixture, file_items)), sum(map(duration, file_items))
+
+    items[:] = [
+        item for file_items in sorted(by_file.values(), key=file_order) for item in sorted(file_items, key=duration)
+    ]

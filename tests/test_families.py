@@ -28,14 +28,21 @@ def tokens(rows, seed):
     return torch.randint(0, VOCAB, (rows, SEQ + 1), generator=torch.Generator().manual_seed(seed))
 
 
-def trained_model():
+class NumStepsRequired(HuginnConvention):
+    """The same model with no default for num_steps: a call without it fails."""
+
+    def forward(self, input_ids, num_steps, **kwargs):
+        return super().forward(input_ids, num_steps, **kwargs)
+
+
+def trained_model(model_class=HuginnConvention):
     """A HuginnConvention model after a few AdamW steps at sampled depths, as it trains."""
     torch.manual_seed(0)
-    model = HuginnConvention(VOCAB)
+    model = model_class(VOCAB)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=WEIGHT_DECAY)
     for step in range(4):
         batch = tokens(4, 100 + step)
-        logits = model(batch[:, :-1]).logits  # num_steps=None: a sampled (without, with) pair
+        logits = model(batch[:, :-1], num_steps=None).logits  # a sampled (without, with) pair
         F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -118,15 +125,21 @@ def diagnose(model, optimizer, batch, eval_tokens, **kwargs):
 # --- tests ------------------------------------------------------------------------------------
 
 
-def test_called_raw_the_huginn_convention_is_refused_for_its_missing_gradients():
-    model, optimizer = trained_model()
-    with pytest.raises(
-        InputError,
-        match=r"^\d+ of \d+ trainable parameters get no gradient at update depth 3 \(.*\); the forward runs its loop "
-        r"without gradient for an integer num_steps and with gradient for a pair .* through a pair-depth family: "
-        r"family=diag.HUGINN \(--family huginn\)",
-    ):
+@pytest.mark.parametrize("model_class", [HuginnConvention, NumStepsRequired])
+def test_called_raw_the_huginn_convention_is_refused_for_its_missing_gradients(model_class):
+    """The fix is told by a forward with the pair (0, depth), whether or not the forward has a
+    default for its depth keyword."""
+    model, optimizer = trained_model(model_class)
+    fix = (
+        "the forward runs its loop without gradient for an integer num_steps and with gradient for a pair "
+        "(iterations without, iterations with), as a Huginn-convention forward does; call it as it trains, "
+        "through a pair-depth family: family=diag.HUGINN (--family huginn), or "
+        "ModelFamily(..., depth_kwarg='num_steps', pair_depth=True, backprop_depth=n) (docs/diagnostic.md)"
+    )
+    prefix = r"^\d+ of \d+ trainable parameters get no gradient at update depth 3 \(.*\); "
+    with pytest.raises(InputError, match=prefix) as refused:
         diagnose(model, optimizer, tokens(4, 1), tokens(6, 2), depth_kwarg="num_steps")
+    assert str(refused.value).endswith(f"; {fix}")
 
 
 def test_through_its_family_it_matches_a_plain_torch_recomputation():
