@@ -412,6 +412,30 @@ def test_huginn_style_model_runs_with_num_steps():
     assert ds.attrs["random_forward"] == 0
 
 
+def test_geomean_matching_runs_as_many_forwards_as_reference_matching():
+    """Holding every update until all RMS are known costs memory, not forwards."""
+
+    def forwards(rms_match):
+        torch.manual_seed(0)
+        model = HuginnStyle()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        calls = []
+        model.register_forward_hook(lambda *_: calls.append(1))
+        diag.compare_updates(
+            model,
+            opt,
+            tokens(4, 9),
+            tokens(5, 10),
+            update_depths=(1, 3),
+            serving_depths=(1, 2),
+            depth_kwarg="num_steps",
+            rms_match=rms_match,
+        )
+        return len(calls)
+
+    assert forwards("geomean") == forwards("reference") > 0
+
+
 def test_trainable_parameters_without_a_gradient_are_refused_naming_them():
     torch.manual_seed(0)
     model = HuginnStyle()
@@ -486,6 +510,33 @@ def test_a_depth_keyword_the_forward_ignores_is_refused():
     ds = diag.compare_updates(
         model, opt, tokens(4, 9), tokens(5, 10), update_depths=(1, 4), serving_depths=(1, 2), depth_kwarg="num_steps"
     )
+    assert ds.sizes["serving_depth"] == 2
+
+
+class AtLeastTwoIterations(HuginnStyle):
+    """A loop of at least two iterations: depths 1 and 2 give the same output, deeper ones do not."""
+
+    def forward(self, input_ids, num_steps):
+        return super().forward(input_ids, max(num_steps, 2))
+
+
+def test_the_depth_keyword_is_probed_at_the_deepest_depth_asked_for():
+    """Depths 1, 2 and 4 asked for: the probe compares 1 with 4, where the output changes, not
+    1 with 2, where it does not."""
+    torch.manual_seed(0)
+    model = AtLeastTwoIterations()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnchangedByDepthWarning)
+        ds = diag.compare_updates(
+            model,
+            opt,
+            tokens(4, 9),
+            tokens(5, 10),
+            update_depths=(1, 4),
+            serving_depths=(1, 2),
+            depth_kwarg="num_steps",
+        )
     assert ds.sizes["serving_depth"] == 2
 
 

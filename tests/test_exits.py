@@ -7,6 +7,7 @@ own through MODULE:NAME; the command's output and one-line errors."""
 
 import itertools
 import json
+import re
 import textwrap
 
 import numpy as np
@@ -25,6 +26,7 @@ from analysis.exits import (
     served_mean_nll,
     sweep,
 )
+from common.errors import InputError
 from depthdiag.cli import main
 from trainer.checkpoint import load_snapshot
 from trainer.exits import CRITERIA, depth_table, real_exit_nll
@@ -179,6 +181,33 @@ def test_real_exit_at_the_last_or_the_first_depth_is_the_ordinary_forward_to_the
         assert torch.equal(never, model(ids, depth=5)) and bool((depth == 5).all())
         first, depth = model.forward_with_exit(ids, 5, lambda k, state, logits: torch.ones(ids.shape, dtype=torch.bool))
         assert torch.equal(first, model(ids, depth=1)) and bool((depth == 1).all())
+
+
+def test_real_exit_refuses_a_max_depth_that_is_not_a_positive_integer(looped):
+    model, ids = looped
+
+    def never(k, state, logits):
+        return torch.zeros(ids.shape, dtype=torch.bool)
+
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(InputError, match=re.escape(f"max_depth must be a positive integer, got {bad!r}")):
+            model.forward_with_exit(ids, bad, never)
+    with torch.no_grad():
+        logits, depth = model.forward_with_exit(ids, 1, never)
+    assert torch.equal(logits, model(ids, depth=1)) and bool((depth == 1).all())
+
+
+def test_readouts_by_depth_yield_the_state_whole_or_at_the_positions_asked_for(looped):
+    model, ids = looped
+    positions = torch.tensor([0, 5, 17, 40])
+    with torch.no_grad():
+        whole = list(model.readouts_by_depth(ids, [4, 2]))
+        picked = list(model.readouts_by_depth(ids, [2, 4], positions))
+        assert [k for k, _, _ in whole] == [2, 4] == [k for k, _, _ in picked]
+        for (depth, state, logits), (_, at, logits_at) in zip(whole, picked):
+            assert state.shape == (*ids.shape, 32) and torch.equal(logits, model(ids, depth=depth))
+            assert torch.equal(at, state.flatten(0, 1)[positions])
+            torch.testing.assert_close(logits_at, logits.flatten(0, 1)[positions], rtol=0, atol=1e-6)
 
 
 def test_real_exit_freezes_a_stopped_token_for_the_tokens_after_it_only(looped):

@@ -115,6 +115,28 @@ def test_a_groups_nll_is_the_nll_of_its_targets_alone_and_the_groups_give_back_t
     xr.testing.assert_identical(ds[list(plain.data_vars)], plain)
 
 
+def test_groups_under_geomean_matching_are_the_nll_of_their_targets_alone():
+    """rms_match='geomean' scales every update after all are made: the groups are evaluated there too."""
+    model, optimizer = looped()
+    eval_tokens, batch = tokens(5, 2), tokens(4, 3)
+    options = DiagnosticOptions(update_depths=(1, 3), serving_depths=(1, 4), rms_match="geomean")
+    grouping = position_groups(T, len(eval_tokens), spans=2)
+    grouped = UpdateDiagnostic(model, optimizer, eval_tokens, options, eval_groups=[grouping])
+    ds = grouped.compare(batch)
+    ((_, ids),) = grouped.eval_groups
+    for g, label in enumerate(grouping.labels):
+        alone = UpdateDiagnostic(model, optimizer, eval_tokens, options, ids == g).compare(batch)
+        np.testing.assert_allclose(
+            ds[f"nll_by_{grouping.name}"].sel({grouping.name: label}).values,
+            alone["nll"].values,
+            rtol=0,
+            atol=FP32_ROUNDING,
+        )
+    assert (
+        ds[f"nll_by_{grouping.name}"].isel(update_depth=0) != ds[f"nll_by_{grouping.name}"].isel(update_depth=1)
+    ).all()
+
+
 def test_a_group_without_counted_targets_has_no_nll():
     model, optimizer = looped()
     eval_tokens = tokens(3, 2)
