@@ -20,7 +20,10 @@ that the batch rows sum to linear_benefit with or without a pool, that each way 
 rows' gradients (hooks on a batched backward, vmap, one backward per row) gives the reference's
 attribution and the hooks each row's own gradient, that plausible bugs (no
 clipping, another RMS matching, the sign, the wrong target count) sit far outside the tolerance, that
-linear_benefit is the diagnostic's benefit to first order, and the refusals of bad input. Then
+linear_benefit is the diagnostic's benefit to first order, the refusals of bad input (a bad pool
+named as the pool), the removal check's random quarter drawn from its seed and the unit's
+dimensions, the serving gradient e_s from the evaluation forward (eval mode, batched, zero where
+evaluation does not reach) and the serving directions held at the model's precision. Then
 what reaches each route: the rows taken as the batch gradient is (train mode, the run's
 precision, a parameter the optimizer holds and nothing trains, one truncated backprop leaves
 out), a batch of one row, a pool row refused where Adam's step is not linear, and the settings
@@ -30,6 +33,7 @@ out), a batch of one row, a pool row refused where Adam's step is not linear, an
 import copy
 import dataclasses
 import functools
+import re
 import warnings
 
 import numpy as np
@@ -572,6 +576,9 @@ def test_bad_input_is_refused():
         attribute_benefit(model, rmsprop, batch, eval_tokens, update_depths=(1, 2), serving_depths=SERVING)
     with pytest.raises(InputError, match="update_depths"):
         attribute_benefit(model, sgd(model), batch, eval_tokens, update_depths=(2,), serving_depths=SERVING)
+    for pool, problem in ((tokens(2, 3)[:, :1], "must be an integer tensor"), (tokens(2, 3) + VOCAB, "holds token id")):
+        with pytest.raises(InputError, match=f"^pool {problem}"):  # named as the pool, not the batch
+            attribute_benefit(model, sgd(model), batch, eval_tokens, pool=pool, serving_depths=SERVING)
     # A model from elsewhere that truncates backprop in its own forward: e_s would miss iterations.
     foreign = Wrapped(looped_model(backprop_depth=1))
     self_truncating = ModelFamily("self-truncating", backprop_depth=1)
@@ -628,6 +635,83 @@ def test_sequence_attribution_refuses_a_diagnostic_it_cannot_split():
         )
         with pytest.raises(InputError, match="isolate='linear' and two update depths"):
             SequenceAttribution(diagnostic)
+
+
+def sequence_attribution(model, batch_rows=8):
+    """A fresh SGD diagnostic's SequenceAttribution of `model` and a batch of `batch_rows` rows."""
+    from diag.arithmetic.attribution import SequenceAttribution
+    from diag.arithmetic.engine import DiagnosticOptions, UpdateDiagnostic
+
+    options = DiagnosticOptions(update_depths=(1, 3), serving_depths=SERVING, isolate="linear", grad_clip=CLIP)
+    diagnostic = UpdateDiagnostic(model, sgd(model), tokens(4, 2), options)
+    return SequenceAttribution(diagnostic), tokens(batch_rows, 4)
+
+
+def test_a_units_random_removal_is_drawn_from_its_seed_and_its_variables_have_their_dimensions():
+    """`unit(removal_depth=...)` draws its random quarter from `removal_seed`, 0 unless given
+    (`diagnose` gives each batch its index); the unit's variables have their dimensions (the
+    removed rows as int64), the examples indexed."""
+    from diag.arithmetic.attribution import removed_rows
+
+    attribution, batch = sequence_attribution(looped_model())
+    drawn = {}
+    for seed in (None, 0, 3):
+        unit = attribution.unit(batch, removal_depth=2, **({} if seed is None else {"removal_seed": seed}))
+        scores = unit["attribution"].sel(serving_depth=2).values
+        assert unit["removed_rows"].values.tolist() == removed_rows(scores, np.random.default_rng(seed or 0)).tolist()
+        assert unit["removed_rows"].dims == ("removal", "removed") and unit["removed_rows"].dtype == np.int64
+        assert unit.coords["removal"].values.tolist() == ["top", "bottom", "random"]
+        assert unit.indexes["example"].tolist() == list(range(len(batch)))
+        assert unit["clip_coefficient"].dims == ("update_depth",) and unit["example_tokens"].dims == (
+            "example",
+            "token",
+        )
+        drawn[seed] = unit["removed_rows"].values[2].tolist()
+    assert drawn[None] == drawn[0] != drawn[3]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_serving_directions_are_held_at_the_models_precision(dtype):
+    """w_s, kept for every unit of a snapshot (2 S copies of the trainable parameters), is fp32 for
+    an fp32 model (float64 would double that memory and run its dot products three times slower)
+    and float64 for a float64 one."""
+    attribution, batch = sequence_attribution(looped_model().to(dtype), batch_rows=3)
+    attribution.unit(batch)
+    assert {w.dtype for w in attribution._directions} == {dtype}
+
+
+class TrainOnlyGain(Wrapped):
+    """A model from elsewhere with a trained gain on its logits that only its training forward
+    applies (as an auxiliary loss's weights would be): evaluation never reaches it."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.gain = torch.nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
+
+    def forward(self, input_ids, depth):
+        logits = self.inner(input_ids, depth=depth)
+        return logits * self.gain if self.training else logits
+
+
+def test_the_serving_gradient_is_the_evaluation_forwards():
+    """e_s comes from the evaluation forward (eval mode, where the gain does not act), in batches
+    of eval_batch_size sequences, and is zero for a trained parameter that evaluation never
+    reaches."""
+    from diag.arithmetic.attribution import eval_gradient
+
+    inner = looped_model()
+    wrapped, _ = sequence_attribution(TrainOnlyGain(inner))
+    plain, _ = sequence_attribution(looped_model())
+    rows = []
+    inner.register_forward_hook(lambda module, args, kwargs, output: rows.append(len(args[0])), with_kwargs=True)
+    for depth in (1, 3):
+        got, want = eval_gradient(wrapped.diagnostic, depth), eval_gradient(plain.diagnostic, depth)
+        gain = wrapped.diagnostic.stepped.index("gain")
+        assert "gain" not in got and wrapped.diagnostic.flat(got)[gain].item() == 0.0
+        assert got.keys() == {f"inner.{name}" for name in want}
+        for name, gradient in want.items():
+            torch.testing.assert_close(got[f"inner.{name}"], gradient, rtol=1e-12, atol=0)
+    assert rows == [4, 4]  # the 4 evaluation sequences in one forward at each depth
 
 
 # --- what reaches each route ---------------------------------------------------------------------
@@ -740,7 +824,7 @@ def test_attribute_benefit_hands_its_settings_on(capsys):
     attribute_benefit(model, optimizer, batch, eval_tokens, update_depths=(1, 3), progress=True, **kwargs)
     bar = capsys.readouterr().err
     # the 4 serving directions, then 3 rows at each of the 2 update depths
-    assert "attribute" in bar and "10/10" in bar
+    assert re.search(r"(^|\r)attribute: ", bar) and "10/10" in bar
     with pytest.raises(InputError, match="update_depths must be positive integers"):
         attribute_benefit(model, optimizer, batch, eval_tokens, update_depths=(0, 3), **kwargs)
 

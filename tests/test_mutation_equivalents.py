@@ -24,7 +24,8 @@ def function_source(name: str) -> str | None:
     else:
         function, body = mangled[2:], ast.parse(source).body
     found = [n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == function]
-    return ast.get_source_segment(source, found[0]) if found else None
+    # whole lines, so that a comment ending the function's last line is in it, as in mutmut's diff
+    return "\n".join(source.splitlines()[found[0].lineno - 1 : found[0].end_lineno]) if found else None
 
 
 def test_every_equivalent_mutant_names_a_function_and_a_line_of_the_current_code():
