@@ -662,10 +662,8 @@ def test_a_units_random_removal_is_drawn_from_its_seed_and_its_variables_have_th
         assert unit["removed_rows"].dims == ("removal", "removed") and unit["removed_rows"].dtype == np.int64
         assert unit.coords["removal"].values.tolist() == ["top", "bottom", "random"]
         assert unit.indexes["example"].tolist() == list(range(len(batch)))
-        assert unit["clip_coefficient"].dims == ("update_depth",) and unit["example_tokens"].dims == (
-            "example",
-            "token",
-        )
+        assert unit["clip_coefficient"].dims == ("update_depth",)
+        assert unit["example_tokens"].dims == ("example", "token")
         drawn[seed] = unit["removed_rows"].values[2].tolist()
     assert drawn[None] == drawn[0] != drawn[3]
 
