@@ -29,6 +29,22 @@ def folder(tmp_path) -> Path:
     return toy_grid_folder(tmp_path)
 
 
+# A 2x2 grid whose cells the tests share, trained once, 2 cells at a time: the collect test
+# reads it, and the tests of a changed grid file check that the trained cells are kept or refused.
+COLLECTED = (
+    '[budget]\nmatch = "updates"\n[axes]\nschedule = ["fixed:2", "uniform:1-4"]\nseed = [0]\nbudget = [0.5, 1]\n'
+)
+
+
+@pytest.fixture(scope="module")
+def trained_grid(tmp_path_factory) -> tuple[Path, object, Path]:
+    """(folder, spec, runs): COLLECTED's cells trained into runs. Tests train nothing more into it."""
+    folder = toy_grid_folder(tmp_path_factory.mktemp("grid"))
+    spec, runs = load_grid(write_grid(folder, COLLECTED)), folder / "runs"
+    run_grid(spec, runs, jobs=2, progress=False)
+    return folder, spec, runs
+
+
 SCHEDULES = """
 [budget]
 match = "flops"
@@ -168,20 +184,17 @@ def test_a_killed_grid_resumes_its_interrupted_cell_bit_exactly_and_skips_finish
     assert run_grid(spec, runs, progress=False).trained == ()
 
 
-def test_a_run_directory_of_another_config_is_refused_before_training(folder):
-    grid = write_grid(folder, '[axes]\nschedule = ["fixed:2"]\n')
-    runs = folder / "runs"
-    run_grid(load_grid(grid), runs, progress=False)
-    changed = write_grid(folder, '[set]\n"optim.lr" = 0.001\n[axes]\nschedule = ["fixed:2"]\n')
+def test_a_run_directory_of_another_config_is_refused_before_training(trained_grid):
+    folder, _, runs = trained_grid
+    changed = write_grid(folder, '[set]\n"optim.lr" = 0.001\n' + COLLECTED, name="changed.toml")
     with pytest.raises(InputError, match=r"holds a run of another config \(optim.lr changed\)"):
         run_grid(load_grid(changed), runs, progress=False)
 
 
-def test_a_finished_cell_stays_finished_when_only_keys_that_observe_it_change(folder):
-    grid = write_grid(folder, '[axes]\nschedule = ["fixed:2"]\n')
-    runs = folder / "runs"
-    run_grid(load_grid(grid), runs, progress=False)
-    observed = write_grid(folder, '[set]\n"train.log_every" = 2\n[axes]\nschedule = ["fixed:2"]\n')
+def test_a_finished_cell_stays_finished_when_only_keys_that_observe_it_change(trained_grid):
+    folder, spec, runs = trained_grid
+    observed = write_grid(folder, '[set]\n"train.log_every" = 3\n' + COLLECTED, name="observed.toml")
+    assert grid_cells(load_grid(observed))[0].config.train.log_every != grid_cells(spec)[0].config.train.log_every
     assert run_grid(load_grid(observed), runs, progress=False).trained == ()
 
 
@@ -198,15 +211,10 @@ def test_a_failing_cell_is_reported_and_the_others_still_train(folder):
 # --- collecting -----------------------------------------------------------------------------
 
 
-def test_collect_has_exactly_one_entry_per_cell(folder):
-    grid = write_grid(
-        folder,
-        '[budget]\nmatch = "updates"\n[axes]\nschedule = ["fixed:2", "uniform:1-4"]\nseed = [0]\nbudget = [0.5, 1]\n',
-    )
-    spec, runs = load_grid(grid), folder / "runs"
+def test_collect_has_exactly_one_entry_per_cell(trained_grid):
+    folder, spec, runs = trained_grid
     with pytest.raises(InputError, match="4 of 4 cells have not finished"):
-        collect_grid(spec, runs, serving=(1, 2, 3), progress=False)
-    run_grid(spec, runs, jobs=2, progress=False)
+        collect_grid(spec, folder / "untrained", serving=(1, 2, 3), progress=False)
     ds = collect_grid(spec, runs, serving=(1, 2, 3), jobs=2, progress=False)  # evaluated in 2 worker processes
     assert dict(ds["nll"].sizes) == {"schedule": 2, "seed": 1, "budget": 2, "serving_depth": 3}
     assert list(ds["schedule"].values) == ["fixed:2", "uniform:1-4"]

@@ -4,6 +4,7 @@ command line: train with a switch, diagnose the snapshots, summarize, plot."""
 import json
 
 import numpy as np
+import pytest
 from click.testing import CliRunner
 from helpers import TOY_CONFIG
 
@@ -17,6 +18,9 @@ def invoke(*args: str) -> str:
     return result.stdout  # stderr may carry warnings (e.g. snapshots at different LRs)
 
 
+# Slow: make test's golden run (test_golden.py) goes the same way through train, diagnose and
+# summarize and checks their numbers; figure 4's plot has its own tests (test_figures_benefit.py).
+@pytest.mark.slow
 def test_train_diagnose_summarize_plot(tmp_path):
     config = tmp_path / "toy.toml"
     config.write_text(TOY_CONFIG)
