@@ -289,7 +289,8 @@ main(sys.argv[2:], prog_name="depthdiag")
 
 
 def test_killed_run_resumed_equals_uninterrupted_run(run, tmp_path, monkeypatch):
-    args = [run[2], run[4], "--update-depths", "2,8", "--serving", "1-8", "--no-progress"]
+    batches = 3  # of each snapshot: the kill comes after 2 of its 6 units
+    args = [run[2], run[4], "--batches", batches, "--update-depths", "2,8", "--serving", "1-8", "--no-progress"]
     full = tmp_path / "full.h5"
     assert cli(*args, "--out", full).exit_code == 0
 
@@ -324,7 +325,7 @@ def test_killed_run_resumed_equals_uninterrupted_run(run, tmp_path, monkeypatch)
         diag.UpdateDiagnostic, "compare", lambda self, batch: computed.append(1) or compare(self, batch)
     )
     assert cli(*args, "--out", out, "--resume").exit_code == 0
-    assert len(computed) == 2 * CARRIED - finished  # finished units are reused, not recomputed
+    assert len(computed) == 2 * batches - finished  # finished units are reused, not recomputed
     assert not parts.exists()
     xr.testing.assert_identical(comparable(out), comparable(full))
 
