@@ -42,6 +42,8 @@ def test_summed_over_ranks_two_copies_of_the_shards_have_the_same_rms():
     assert tensor_rms(tensors, two_ranks) == pytest.approx(tensor_rms(tensors), rel=1e-12)
     assert global_rms(tensors, two_ranks) == pytest.approx(global_rms(tensors), rel=1e-12)
     # Squares summed over ranks but elements not (or the reverse) would be off by sqrt(2).
+    one = tensors[:1]  # an update of one tensor: the counts read no second one
+    assert tensor_rms(one, two_ranks) == pytest.approx(tensor_rms(one), rel=1e-12)
 
 
 def test_geomean_rms_skips_zeros():
