@@ -17,7 +17,7 @@ from grid_helpers import (
 )
 
 from common.errors import InputError
-from depthdiag.grid import cell_state, collect_grid, grid_cells, load_grid
+from depthdiag.grid import GridSpec, cell_state, collect_grid, grid_cells, load_grid
 from depthdiag.grid_run import run_grid
 from trainer.checkpoint import latest_checkpoint
 from trainer.flops import update_flops
@@ -37,7 +37,7 @@ COLLECTED = (
 
 
 @pytest.fixture(scope="module")
-def trained_grid(tmp_path_factory) -> tuple[Path, object, Path]:
+def trained_grid(tmp_path_factory) -> tuple[Path, GridSpec, Path]:
     """(folder, spec, runs): COLLECTED's cells trained into runs. Tests train nothing more into it."""
     folder = toy_grid_folder(tmp_path_factory.mktemp("grid"))
     spec, runs = load_grid(write_grid(folder, COLLECTED)), folder / "runs"
